@@ -1,0 +1,95 @@
+"""Adaptive draft depth: draft as deep as pays on this model and this hardware, or not at all.
+
+The controller keeps running estimates of
+  * t1: the time of one plain step (a one-token target pass),
+  * the verify-cost slope: a pass over n nodes costs about t1 * (1 + slope * (n - 1)),
+  * the drafting time per depth, and nodes drafted per depth (trees branch),
+  * alpha_d: P(depth d accepted | depth d-1 accepted).
+For depth k the expected gain is E(k) = 1 + sum_{d<=k} prod_{j<=d} alpha_j tokens per pass, at cost
+C(k) = verify(1 + nodes_per_depth * k) + draft_per_depth * k. It picks the k with the best E/C, and
+when even that is below plain decoding's 1 / t1 it turns speculation off, probing again after a
+back-off that doubles while speculation keeps losing. The very first step is plain, to measure t1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _ema(old: float | None, new: float, w: float = 0.2) -> float:
+    return new if old is None else (1 - w) * old + w * new
+
+
+@dataclass
+class AdaptiveDepth:
+    """Chooses the draft depth for the next step (0 = plain step) from measured acceptance and cost."""
+
+    max_depth: int
+    enabled: bool = True  # False: always draft max_depth (for tests and ablations)
+    prior_alpha: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.95
+    t1: float | None = None
+    slope: float = 0.08
+    draft_per_depth: float | None = None
+    nodes_per_depth: float = 1.0
+    hits: list[float] = field(default_factory=list)
+    tries: list[float] = field(default_factory=list)
+    backoff: int = 4
+    plain_left: int = 0
+
+    def alpha(self, d: int) -> float:
+        """Smoothed acceptance rate at depth d (1-based)."""
+        h = self.hits[d - 1] if d <= len(self.hits) else 0.0
+        n = self.tries[d - 1] if d <= len(self.tries) else 0.0
+        return (h + self.prior_alpha * self.prior_weight) / (n + self.prior_weight)
+
+    def expected_rate(self, k: int) -> float:
+        """Predicted tokens per second when drafting to depth k (k = 0: plain decoding)."""
+        t1 = self.t1 or 1.0
+        if k == 0:
+            return 1.0 / t1
+        gain, run = 1.0, 1.0
+        for d in range(1, k + 1):
+            run *= self.alpha(d)
+            gain += run
+        nodes = 1 + self.nodes_per_depth * k
+        cost = t1 * (1 + self.slope * (nodes - 1)) + (self.draft_per_depth or 0.0) * k
+        return gain / cost
+
+    def choose(self) -> int:
+        """Depth to draft next step; 0 means a plain step."""
+        if not self.enabled:
+            return self.max_depth
+        if self.t1 is None:
+            return 0
+        best = max(range(1, self.max_depth + 1), key=self.expected_rate)
+        if self.expected_rate(best) > self.expected_rate(0):
+            self.backoff = 4
+            return best
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            return 0
+        self.plain_left = self.backoff  # probe once now, then stay plain a while
+        self.backoff = min(self.backoff * 2, 64)
+        return best
+
+    def record_plain(self, seconds: float) -> None:
+        """A one-token target pass took ``seconds``."""
+        self.t1 = _ema(self.t1, seconds)
+
+    def record_speculative(self, depth: int, nodes: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """A pass verified ``nodes`` nodes (root included) of a depth-``depth`` draft and kept ``accepted``."""
+        while len(self.hits) < depth:
+            self.hits.append(0.0)
+            self.tries.append(0.0)
+        self.hits = [h * self.decay for h in self.hits]
+        self.tries = [n * self.decay for n in self.tries]
+        for d in range(min(accepted + 1, depth)):
+            self.tries[d] += 1
+            if d < accepted:
+                self.hits[d] += 1
+        self.draft_per_depth = _ema(self.draft_per_depth, draft_s / depth)
+        self.nodes_per_depth = _ema(self.nodes_per_depth, (nodes - 1) / depth)
+        if self.t1 and nodes > 1:
+            self.slope = max(_ema(self.slope, (verify_s / self.t1 - 1) / (nodes - 1)), 0.0)

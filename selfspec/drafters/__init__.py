@@ -1,0 +1,1 @@
+"""Drafters that need no trained weights: a separate draft model and prompt lookup."""

@@ -1,0 +1,68 @@
+"""The drafter interface: everything that proposes tokens for the target to check.
+
+A drafter is stateless across requests; what it remembers within one request lives in a state
+object it creates in ``start`` and returns, updated, from ``propose`` and ``observe``. The engine
+calls, per request:
+
+    state = drafter.start(ctx)                       # after the target's prefill
+    loop:
+        tree, state = drafter.propose(state, req)    # draft
+        ... target verifies, accepts, commits ...
+        state = drafter.observe(state, ctx)          # learn what was committed
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..sampling import SamplingConfig
+from ..tree import DraftTree
+
+
+@dataclass
+class DraftContext:
+    """What was committed so far. The target's KV cache holds ``tokens[:-1]``; ``tokens[-1]`` is the root.
+
+    ``hidden_states`` (per target layer, embeddings first, each (n, H)) cover the positions the target
+    cached since the last call, ``cache_len - n .. cache_len - 1``; given only to drafters that ask.
+    """
+
+    tokens: torch.Tensor  # (T,) long, on CPU
+    cache_len: int
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class DraftRequest:
+    """Limits for one draft."""
+
+    max_depth: int
+    max_nodes: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None = None
+
+
+class Drafter:
+    """Base class. Subclasses implement ``propose``; ``start``/``observe`` default to no state."""
+
+    name: str = "drafter"
+    needs_hidden_states: bool = False  # the engine then asks the target for hidden states
+
+    def start(self, ctx: DraftContext) -> Any:
+        """Fresh per-request state, after the target has prefilled ``ctx.tokens[:-1]``."""
+        return None
+
+    def propose(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
+        """A tree rooted at ``ctx.tokens[-1]`` within ``req``'s limits (a root-only tree means no draft)."""
+        raise NotImplementedError
+
+    def observe(self, state: Any, ctx: DraftContext) -> Any:
+        """Called after each commit with the new context; returns the updated state."""
+        return state
+
+    def extra_parameters(self) -> int:
+        """Parameters this drafter keeps resident beside the target."""
+        return 0

@@ -1,0 +1,96 @@
+"""Classic speculative decoding: a smaller model with the same tokenizer drafts a chain.
+
+The draft model keeps its own KV cache, kept in step with the target's: before drafting it rolls
+back to the longest prefix it processed that is still committed, then feeds the missing tokens.
+This is the baseline selfspec's heads must beat on memory: the whole second model stays resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SelfspecError
+from ..kv_cache import new_cache, truncate
+from ..sampling import logits_to_probs
+from ..tree import DraftTree, chain
+from ..verify import forward_with_cache
+from .base import DraftContext, DraftRequest, Drafter
+
+
+@dataclass
+class DraftModelState:
+    """The draft model's cache and the tokens it holds (its positions 0 .. len(processed) - 1)."""
+
+    cache: object
+    processed: list[int]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModelDrafter(Drafter):
+    """Draft with a separate causal LM sharing the target's tokenizer."""
+
+    name = "draft-model"
+
+    def __init__(self, draft_model: torch.nn.Module, target_vocab_size: int | None = None) -> None:
+        self.model = draft_model.eval()
+        self.model.requires_grad_(False)
+        self.draft_vocab = draft_model.get_output_embeddings().out_features
+        self.target_vocab = target_vocab_size or self.draft_vocab
+        if abs(self.draft_vocab - self.target_vocab) > 1024:  # small differences are padding rows
+            raise SelfspecError(
+                f"draft model vocabulary ({self.draft_vocab}) does not match the target's ({self.target_vocab}): "
+                "a separate draft model must share the target's tokenizer")
+        self.device = next(draft_model.parameters()).device
+
+    def start(self, ctx: DraftContext) -> DraftModelState:
+        """Empty draft cache; the prompt is fed on the first ``propose``."""
+        return DraftModelState(new_cache(self.model), [])
+
+    def _next_probs(self, logits: torch.Tensor, req: DraftRequest) -> torch.Tensor:
+        probs = logits_to_probs(logits[: self.target_vocab], req.sampling)
+        if probs.numel() < self.target_vocab:
+            probs = torch.nn.functional.pad(probs, (0, self.target_vocab - probs.numel()))
+        return probs
+
+    @torch.no_grad()
+    def propose(self, state: DraftModelState, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, DraftModelState]:
+        """A chain of ``req.max_depth`` tokens, greedy or sampled (then with its distributions)."""
+        tokens = ctx.tokens.tolist()
+        depth = min(req.max_depth, req.max_nodes - 1)
+        if depth <= 0:
+            return chain(tokens[-1], []), state
+        keep = min(common_prefix(state.processed, tokens), len(tokens) - 1)  # always re-feed the root
+        truncate(state.cache, keep)
+        feed = tokens[keep:]
+        drafted: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        pos = keep
+        for _ in range(depth):
+            ids = torch.tensor([feed], device=self.device)
+            positions = torch.arange(pos, pos + len(feed), device=self.device)[None]
+            logits = forward_with_cache(self.model, ids, state.cache, position_ids=positions, logits_to_keep=1).logits[0, -1]
+            pos += len(feed)
+            probs = self._next_probs(logits, req)
+            tok = int(probs.argmax()) if req.sampling.greedy else int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
+            drafted.append(tok)
+            q_rows.append(probs.cpu())
+            feed = [tok]
+        state.processed = tokens + drafted[:-1]
+        draft_probs = None
+        if not req.sampling.greedy:  # row i: the distribution node i's child was sampled from
+            draft_probs = torch.stack(q_rows + [torch.zeros_like(q_rows[0])])
+        return chain(tokens[-1], drafted, draft_probs), state
+
+    def extra_parameters(self) -> int:
+        """The whole draft model stays resident."""
+        return sum(p.numel() for p in self.model.parameters())

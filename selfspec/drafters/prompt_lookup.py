@@ -1,0 +1,56 @@
+"""Prompt lookup: draft the tokens that followed the latest earlier occurrence of the current n-gram.
+
+No training and no extra weights. Code edits, quoting and summarising repeat the context, which is
+where this pays. Several earlier occurrences with different continuations become a tree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..tree import DraftTree, from_paths
+from .base import DraftContext, DraftRequest, Drafter
+
+
+def find_continuations(tokens: torch.Tensor, ngram: int, depth: int, limit: int) -> list[list[int]]:
+    """Up to ``limit`` distinct continuations (most recent first) of earlier matches of the last ``ngram`` tokens."""
+    n = tokens.numel()
+    if n <= ngram:
+        return []
+    suffix = tokens[-ngram:]
+    windows = tokens[:-1].unfold(0, ngram, 1)  # (n - ngram, ngram): every earlier window but the suffix itself
+    starts = (windows == suffix).all(dim=1).nonzero().flatten().flip(0) + ngram
+    found: list[list[int]] = []
+    for s in starts.tolist():
+        cont = tokens[s:s + depth].tolist()
+        if cont and cont not in found:
+            found.append(cont)
+            if len(found) == limit:
+                break
+    return found
+
+
+class PromptLookupDrafter(Drafter):
+    """N-gram matching against the context (longest n-gram first)."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 3) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
+
+    def propose(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
+        """Trie of the continuations of the longest n-gram that has earlier matches."""
+        root = int(ctx.tokens[-1])
+        for ngram in range(self.max_ngram, self.min_ngram - 1, -1):
+            conts = find_continuations(ctx.tokens, ngram, req.max_depth, self.candidates)
+            if conts:
+                tree = from_paths(root, conts)
+                if tree.size > req.max_nodes:  # keep the most recent continuations that fit
+                    tree = from_paths(root, conts[:1])
+                    tree = from_paths(root, [conts[0][: req.max_nodes - 1]]) if tree.size > req.max_nodes else tree
+                return tree, state
+        return from_paths(root, []), state

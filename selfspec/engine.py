@@ -1,0 +1,256 @@
+"""The decoding loop: prefill, then draft -> verify -> accept -> commit until a stop condition.
+
+Invariant between steps: the target's KV cache holds ``tokens[:-1]``; ``tokens[-1]`` (the *root*)
+is committed but not yet processed. A step feeds root + draft tree to the target in one pass, so a
+step with an empty draft is exactly a plain decoding step, and plain decoding is this same loop
+with no drafter: the honest baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .acceptance import accept_greedy, accept_sampling
+from .adaptive import AdaptiveDepth
+from .drafters.base import DraftContext, DraftRequest, Drafter
+from .errors import SelfspecError
+from .kv_cache import keep_entries, new_cache
+from .sampling import SamplingConfig, logits_to_probs
+from .stats import GenerationStats
+from .tree import DraftTree, chain
+from .verify import Verification, forward_with_cache, verify_tree
+
+
+@dataclass
+class DecodeConfig:
+    """Settings of one request."""
+
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's generation config
+    stop_strings: tuple[str, ...] = ()
+    max_depth: int = 6  # deepest draft
+    max_nodes: int = 16  # largest tree, root included
+    adaptive: bool = True  # False: always draft max_depth
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise SelfspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_depth < 0 or self.max_nodes < 1:
+            raise SelfspecError("max_depth must be >= 0 and max_nodes >= 1")
+
+
+@dataclass
+class DecodeState:
+    """Tokens so far (prompt + generated, on CPU) and the target cache holding all but the last."""
+
+    tokens: torch.Tensor
+    cache: object
+    prompt_len: int
+
+    @property
+    def cache_len(self) -> int:
+        """Positions in the target cache."""
+        return self.tokens.numel() - 1
+
+
+@dataclass
+class GenerationResult:
+    """New token ids, their text (when a tokenizer is known) and the measurements."""
+
+    tokens: list[int]
+    text: str | None
+    stats: GenerationStats
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states: bool) -> tuple[DecodeState, tuple | None]:
+    """Cache the prompt except its last token (the first root). Returns the state and, if asked, hidden states."""
+    cache = new_cache(model)
+    hs = None
+    if prompt.numel() > 1:
+        device = next(model.parameters()).device
+        ids = prompt[:-1].to(device)[None]
+        out = forward_with_cache(model, ids, cache, position_ids=torch.arange(ids.shape[1], device=device)[None],
+                                 hidden_states=hidden_states, logits_to_keep=1)
+        hs = tuple(h[0] for h in out.hidden_states) if hidden_states else None
+    return DecodeState(prompt.clone(), cache, prompt.numel()), hs
+
+
+def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, cfg: DecodeConfig,
+          gen: torch.Generator) -> tuple[DraftTree, object]:
+    """Ask the drafter for a tree of at most ``depth`` levels; depth 0 (or no drafter) gives the bare root."""
+    root = int(ctx.tokens[-1])
+    if drafter is None or depth == 0:
+        return chain(root, []), dstate
+    tree, dstate = drafter.propose(dstate, ctx, DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen))
+    if tree.max_depth > depth or tree.size > cfg.max_nodes or int(tree.tokens[0]) != root:
+        raise SelfspecError(f"drafter '{drafter.name}' broke its limits (depth {tree.max_depth} > {depth}, "
+                            f"or {tree.size} nodes > {cfg.max_nodes}, or a wrong root)")
+    return tree, dstate
+
+
+def accept(tree: DraftTree, ver: Verification, sampling: SamplingConfig, gen: torch.Generator) -> tuple[list[int], int]:
+    """Accepted path (tree indices, root excluded) and the target's next token."""
+    if sampling.greedy:
+        return accept_greedy(tree, ver.logits.argmax(-1).tolist())
+    return accept_sampling(tree, logits_to_probs(ver.logits, sampling), gen)
+
+
+def commit(state: DecodeState, tree: DraftTree, path: list[int], bonus: int) -> tuple[DecodeState, list[int]]:
+    """Keep root + accepted path in the cache (compacted), append accepted tokens + bonus to the sequence."""
+    keep_entries(state.cache, state.cache_len, [0, *path])
+    new = [int(tree.tokens[i]) for i in path] + [bonus]
+    tokens = torch.cat([state.tokens, torch.tensor(new, dtype=torch.long)])
+    return DecodeState(tokens, state.cache, state.prompt_len), new
+
+
+def truncate_at_stop(new: list[int], room: int, eos: set[int]) -> tuple[list[int], bool]:
+    """Cut ``new`` to the ``room`` tokens left and just after the first EOS. Returns (tokens, finished)."""
+    for i, tok in enumerate(new[:room]):
+        if tok in eos:
+            return new[: i + 1], True
+    return new[:room], len(new) >= room
+
+
+def stop_string_cut(tokenizer, generated: list[int], n_before: int, stop_strings: tuple[str, ...]) -> int | None:
+    """Smallest token count > ``n_before`` whose text contains a stop string, or None."""
+    if not stop_strings or tokenizer is None:
+        return None
+    if not any(s in tokenizer.decode(generated) for s in stop_strings):
+        return None
+    for m in range(n_before + 1, len(generated) + 1):
+        if any(s in tokenizer.decode(generated[:m]) for s in stop_strings):
+            return m
+    return None
+
+
+def eos_ids(model: torch.nn.Module, cfg: DecodeConfig) -> set[int]:
+    """EOS ids from the request, else the model's generation config, else its config."""
+    if cfg.eos_token_ids is not None:
+        return set(cfg.eos_token_ids)
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return set()
+
+
+class SpeculativeEngine:
+    """Lossless speculative decoding of one causal LM with any drafter (or none: plain decoding)."""
+
+    def __init__(self, model: torch.nn.Module, drafter: Drafter | None = None, tokenizer=None) -> None:
+        self.model = model.eval()
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+
+    def _prompt_tensor(self, prompt: torch.Tensor | list[int]) -> torch.Tensor:
+        ids = torch.as_tensor(prompt, dtype=torch.long).cpu()
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise SelfspecError(f"selfspec decodes one sequence at a time; got a batch of {ids.shape[0]}")
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise SelfspecError("the prompt must be a non-empty sequence of token ids")
+        vocab = self.model.get_output_embeddings().out_features
+        if int(ids.max()) >= vocab or int(ids.min()) < 0:
+            raise SelfspecError(f"prompt token ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}")
+        return ids
+
+    def steps(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig, stats: GenerationStats) -> Iterator[list[int]]:
+        """Run the loop, yielding the tokens each step commits; fills ``stats`` as it goes."""
+        start = time.perf_counter()
+        ids = self._prompt_tensor(prompt)
+        gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed() % 2**31))
+        need_hidden = self.drafter is not None and self.drafter.needs_hidden_states
+        state, hs = prefill(self.model, ids, need_hidden)
+        _sync(self.device)
+        stats.prefill_s = time.perf_counter() - start
+        ctx = DraftContext(state.tokens, state.cache_len, hs)
+        dstate = self.drafter.start(ctx) if self.drafter is not None else None
+        ctrl = AdaptiveDepth(cfg.max_depth, enabled=cfg.adaptive)
+        eos = eos_ids(self.model, cfg)
+        generated: list[int] = []
+        try:
+            while True:
+                room = cfg.max_new_tokens - len(generated)
+                depth = min(ctrl.choose(), room - 1, cfg.max_nodes - 1) if self.drafter is not None else 0
+                t0 = time.perf_counter()
+                tree, dstate = draft(self.drafter, dstate, ctx, depth, cfg, gen)
+                _sync(self.device)
+                t1 = time.perf_counter()
+                ver = verify_tree(self.model, state.cache, tree, state.cache_len, hidden_states=need_hidden)
+                _sync(self.device)
+                t2 = time.perf_counter()
+                path, bonus = accept(tree, ver, cfg.sampling, gen)
+                cached_before = state.cache_len
+                state, new = commit(state, tree, path, bonus)
+                new, finished = truncate_at_stop(new, room, eos)
+                cut = stop_string_cut(self.tokenizer, generated + new, len(generated), cfg.stop_strings)
+                if cut is not None:
+                    new, finished = (generated + new)[len(generated):cut], True
+                stats.draft_s += t1 - t0
+                stats.verify_s += t2 - t1
+                stats.record_step(tree.max_depth, len(path), len(new))
+                if tree.max_depth == 0:
+                    ctrl.record_plain(t2 - t1)
+                else:
+                    ctrl.record_speculative(tree.max_depth, tree.size, len(path), t1 - t0, t2 - t1)
+                generated += new
+                yield new
+                if finished:
+                    return
+                hidden = None
+                if need_hidden:  # the target's states at the positions just cached: root + accepted path
+                    rows = torch.tensor([0, *path], device=ver.logits.device)
+                    hidden = tuple(h.index_select(0, rows) for h in ver.hidden_states)
+                ctx = DraftContext(state.tokens, state.cache_len, hidden)
+                assert state.cache_len == cached_before + 1 + len(path)
+                dstate = self.drafter.observe(dstate, ctx) if self.drafter is not None else None
+        finally:
+            _sync(self.device)
+            stats.total_s = time.perf_counter() - start
+
+    def generate(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig | None = None, streamer=None
+                 ) -> GenerationResult:
+        """Decode ``prompt`` (token ids) to completion. ``streamer``: any ``transformers`` streamer."""
+        cfg = cfg or DecodeConfig()
+        stats = GenerationStats()
+        out: list[int] = []
+        if streamer is not None:
+            streamer.put(torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1))
+        for new in self.steps(prompt, cfg, stats):
+            out += new
+            if streamer is not None:
+                streamer.put(torch.tensor([new]))
+        if streamer is not None:
+            streamer.end()
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationResult(out, text, stats)
+
+    def stream(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig | None = None,
+               stats: GenerationStats | None = None) -> Iterator[str]:
+        """Yield the new text piece by piece as steps commit (needs a tokenizer)."""
+        if self.tokenizer is None:
+            raise SelfspecError("streaming text needs a tokenizer: SpeculativeEngine(model, drafter, tokenizer)")
+        out: list[int] = []
+        shown = ""
+        for new in self.steps(prompt, cfg or DecodeConfig(), stats or GenerationStats()):
+            out += new
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+                continue
+            if len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text

@@ -1,0 +1,50 @@
+"""The adaptive depth controller on synthetic timings: it drafts deep when drafts are accepted and
+switches speculation off (with occasional probes) when they are not."""
+
+from __future__ import annotations
+
+from selfspec.adaptive import AdaptiveDepth
+
+
+def _run(accept_prob: float, steps: int = 200, slope: float = 0.1, draft_cost: float = 0.05) -> list[int]:
+    ctrl = AdaptiveDepth(max_depth=6)
+    chosen = []
+    for i in range(steps):
+        k = ctrl.choose()
+        chosen.append(k)
+        if k == 0:
+            ctrl.record_plain(1.0)
+            continue
+        # deterministic acceptance: accept_prob of the way down, rounded
+        accepted = min(k, int(accept_prob * 10)) if accept_prob > 0 else 0
+        ctrl.record_speculative(k, k + 1, accepted, draft_cost * k, 1.0 + slope * k)
+    return chosen
+
+
+def test_first_step_is_plain_to_measure_cost() -> None:
+    assert _run(0.9, steps=1) == [0]
+
+
+def test_useless_drafts_switch_speculation_off() -> None:
+    chosen = _run(0.0)
+    spec = sum(k > 0 for k in chosen)
+    assert spec < 20  # probes only, with a growing back-off
+    assert chosen[-30:].count(0) >= 25
+
+
+def test_good_drafts_draft_deep() -> None:
+    chosen = _run(0.9)
+    assert all(k >= 4 for k in chosen[20:])
+
+
+def test_disabled_controller_always_drafts_max_depth() -> None:
+    ctrl = AdaptiveDepth(max_depth=5, enabled=False)
+    assert [ctrl.choose() for _ in range(3)] == [5, 5, 5]
+
+
+def test_expected_rate_matches_formula() -> None:
+    ctrl = AdaptiveDepth(max_depth=3, prior_weight=0.0, t1=2.0, slope=0.5, draft_per_depth=0.0)
+    ctrl.hits, ctrl.tries = [1.0, 1.0], [2.0, 2.0]  # alpha = 0.5 at depths 1 and 2
+    # E(2) = 1 + 0.5 + 0.25; C(2) = 2 * (1 + 0.5 * 2)
+    assert abs(ctrl.expected_rate(2) - 1.75 / 4.0) < 1e-12
+    assert ctrl.expected_rate(0) == 0.5

@@ -1,0 +1,114 @@
+"""The core invariant: greedy speculative output == the target's own greedy output, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import OracleTreeDrafter, hf_greedy, tiny_model
+from selfspec.drafters.draft_model import DraftModelDrafter
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+
+
+def _prompt(seed: int, n: int, vocab: int = 64) -> list[int]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    base = torch.randint(0, vocab, (max(n // 2, 1),), generator=g).tolist()
+    return (base * 3)[:n]  # repetitive, so prompt lookup finds matches
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plain_engine_matches_hf(seed: int) -> None:
+    model = tiny_model(seed)
+    prompt = _prompt(seed, 12)
+    expected = hf_greedy(model, prompt, 40)
+    got = SpeculativeEngine(model).generate(prompt, DecodeConfig(max_new_tokens=40))
+    assert got.tokens == expected
+    assert got.stats.mean_accepted == 1.0
+    assert got.stats.target_forwards == 40
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tree_drafts_are_lossless(seed: int, arch: str) -> None:
+    model = tiny_model(seed, arch=arch)
+    prompt = _prompt(seed, 9)
+    expected = hf_greedy(model, prompt, 48)
+    drafter = OracleTreeDrafter(prompt + expected, vocab=64, seed=seed)
+    cfg = DecodeConfig(max_new_tokens=48, max_depth=5, max_nodes=12, adaptive=False)
+    got = SpeculativeEngine(model, drafter).generate(prompt, cfg)
+    assert got.tokens == expected
+    assert got.stats.mean_accepted > 1.5  # the oracle is mostly right: speculation really happened
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chain_from_draft_model_is_lossless(seed: int) -> None:
+    target, draft = tiny_model(seed, layers=3), tiny_model(seed + 100, layers=1)
+    prompt = _prompt(seed, 10)
+    expected = hf_greedy(target, prompt, 40)
+    got = SpeculativeEngine(target, DraftModelDrafter(draft)).generate(
+        prompt, DecodeConfig(max_new_tokens=40, max_depth=4, adaptive=False))
+    assert got.tokens == expected
+
+
+def test_draft_model_that_is_the_target_accepts_everything() -> None:
+    target = tiny_model(3)
+    prompt = _prompt(3, 10)
+    got = SpeculativeEngine(target, DraftModelDrafter(target)).generate(
+        prompt, DecodeConfig(max_new_tokens=30, max_depth=4, adaptive=False))
+    assert got.tokens == hf_greedy(target, prompt, 30)
+    assert got.stats.acceptance_by_depth == [1.0] * 4
+    assert got.stats.mean_accepted == pytest.approx(30 / 6)  # 5 tokens per pass; the last pass is cut to fit
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prompt_lookup_is_lossless(seed: int) -> None:
+    model = tiny_model(seed)
+    prompt = _prompt(seed, 20)
+    expected = hf_greedy(model, prompt, 40)
+    got = SpeculativeEngine(model, PromptLookupDrafter()).generate(prompt, DecodeConfig(max_new_tokens=40))
+    assert got.tokens == expected
+
+
+@pytest.mark.parametrize("position", [0, 3, 7])
+def test_eos_inside_an_accepted_draft_stops_there(position: int) -> None:
+    model = tiny_model(5)
+    prompt = _prompt(5, 8)
+    free = hf_greedy(model, prompt, 30)
+    eos = free[position]
+    model.generation_config.eos_token_id = eos
+    expected = hf_greedy(model, prompt, 30, eos=eos)
+    assert expected[-1] == eos and len(expected) == free.index(eos) + 1
+    drafter = OracleTreeDrafter(prompt + free, vocab=64, seed=1, corrupt=0.0)
+    got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=30, max_depth=6,
+                                                                          adaptive=False))
+    assert got.tokens == expected
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7])
+def test_max_new_tokens_edge(max_new: int) -> None:
+    model = tiny_model(2)
+    prompt = _prompt(2, 8)
+    expected = hf_greedy(model, prompt, max_new)
+    drafter = OracleTreeDrafter(prompt + hf_greedy(model, prompt, 20), vocab=64, seed=2, corrupt=0.0)
+    got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=max_new, max_depth=4,
+                                                                          adaptive=False))
+    assert got.tokens == expected
+    assert got.stats.new_tokens == max_new
+
+
+def test_one_token_prompt() -> None:
+    model = tiny_model(4)
+    expected = hf_greedy(model, [7], 20)
+    for drafter in (None, PromptLookupDrafter(), DraftModelDrafter(tiny_model(9, layers=1)),
+                    OracleTreeDrafter([7] + expected, 64, seed=0)):
+        got = SpeculativeEngine(model, drafter).generate([7], DecodeConfig(max_new_tokens=20, adaptive=False))
+        assert got.tokens == expected, drafter
+
+
+def test_adaptive_engine_with_useless_drafts_is_lossless() -> None:
+    model = tiny_model(6)
+    prompt = _prompt(6, 10)
+    useless = OracleTreeDrafter([0] * 200, vocab=64, seed=0, width=1, corrupt=1.0)  # always random
+    got = SpeculativeEngine(model, useless).generate(prompt, DecodeConfig(max_new_tokens=60))
+    assert got.tokens == hf_greedy(model, prompt, 60)
