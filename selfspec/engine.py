@@ -175,10 +175,10 @@ class SpeculativeEngine:
         gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed() % 2**31))
         need_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         state, hs = prefill(self.model, ids, need_hidden)
+        ctx = DraftContext(state.tokens, state.cache_len, hs, state.cache)
+        dstate = self.drafter.start(ctx) if self.drafter is not None else None  # the drafter's own prefill
         _sync(self.device)
         stats.prefill_s = time.perf_counter() - start
-        ctx = DraftContext(state.tokens, state.cache_len, hs)
-        dstate = self.drafter.start(ctx) if self.drafter is not None else None
         ctrl = AdaptiveDepth(cfg.max_depth, enabled=cfg.adaptive)
         eos = eos_ids(self.model, cfg)
         generated: list[int] = []
@@ -215,7 +215,7 @@ class SpeculativeEngine:
                 if need_hidden:  # the target's states at the positions just cached: root + accepted path
                     rows = torch.tensor([0, *path], device=ver.logits.device)
                     hidden = tuple(h.index_select(0, rows) for h in ver.hidden_states)
-                ctx = DraftContext(state.tokens, state.cache_len, hidden)
+                ctx = DraftContext(state.tokens, state.cache_len, hidden, state.cache)
                 assert state.cache_len == cached_before + 1 + len(path)
                 dstate = self.drafter.observe(dstate, ctx) if self.drafter is not None else None
         finally:

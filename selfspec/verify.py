@@ -12,7 +12,7 @@ from .tree import DraftTree, tree_attention_mask, tree_position_ids
 
 
 @lru_cache(maxsize=None)
-def _cache_kwarg(model_cls: type) -> str:
+def cache_kwarg(model_cls: type) -> str:
     # transformers 5.x names the argument `cache`; earlier releases `past_key_values`.
     return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
@@ -20,7 +20,7 @@ def _cache_kwarg(model_cls: type) -> str:
 def forward_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, cache, *, position_ids=None,
                        attention_mask=None, hidden_states: bool = False, logits_to_keep: int = 0):
     """``model(...)`` through public arguments, appending to ``cache``; returns the model output."""
-    kwargs = {_cache_kwarg(type(model)): cache}
+    kwargs = {cache_kwarg(type(model)): cache}
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                  use_cache=True, output_hidden_states=hidden_states, logits_to_keep=logits_to_keep, **kwargs)
 

@@ -33,6 +33,7 @@ class DraftContext:
     tokens: torch.Tensor  # (T,) long, on CPU
     cache_len: int
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    target_cache: object | None = None  # the target's KV cache (read-only between steps; early exit drafts in it)
 
 
 @dataclass
@@ -64,5 +65,5 @@ class Drafter:
         return state
 
     def extra_parameters(self) -> int:
-        """Parameters this drafter keeps resident beside the target."""
+        """Parameters this drafter keeps resident beside the target: trained weights and any frozen copies."""
         return 0

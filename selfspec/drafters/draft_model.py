@@ -52,9 +52,17 @@ class DraftModelDrafter(Drafter):
                 "a separate draft model must share the target's tokenizer")
         self.device = next(draft_model.parameters()).device
 
+    @torch.no_grad()
     def start(self, ctx: DraftContext) -> DraftModelState:
-        """Empty draft cache; the prompt is fed on the first ``propose``."""
-        return DraftModelState(new_cache(self.model), [])
+        """Prefill the draft model's cache with the prompt but its last token, as the target did."""
+        state = DraftModelState(new_cache(self.model), [])
+        prefix = ctx.tokens[:-1].tolist()
+        if prefix:
+            ids = torch.tensor([prefix], device=self.device)
+            forward_with_cache(self.model, ids, state.cache, position_ids=torch.arange(len(prefix), device=self.device)[None],
+                               logits_to_keep=1)
+            state.processed = prefix
+        return state
 
     def _next_probs(self, logits: torch.Tensor, req: DraftRequest) -> torch.Tensor:
         probs = logits_to_probs(logits[: self.target_vocab], req.sampling)

@@ -1,0 +1,49 @@
+"""Small helpers every head family shares: the target's text config, truncated configs, parameter counts."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from ..errors import SelfspecError
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's own config (multimodal configs nest it; plain LMs return themselves)."""
+    return config.get_text_config(decoder=True)
+
+
+def config_with_layers(config: PretrainedConfig, num_layers: int, **overrides) -> PretrainedConfig:
+    """A copy of ``config`` describing only its first ``num_layers`` decoder layers (plus ``overrides``)."""
+    data = text_config(config).to_dict()
+    data["num_hidden_layers"] = num_layers
+    if data.get("layer_types"):  # per-layer attention kinds, one per layer
+        data["layer_types"] = data["layer_types"][:num_layers]
+    data.update(overrides)
+    return type(text_config(config)).from_dict(data)
+
+
+def trained_parameter_count(module: torch.nn.Module) -> int:
+    """Parameters of ``module`` (what a heads checkpoint stores; integer buffers such as index maps excluded)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def placement(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Device and floating dtype of ``model``'s weights, for building heads beside it."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.device, p.dtype
+    raise SelfspecError(f"{type(model).__name__} has no floating-point weights to attach heads to")
+
+
+def lm_head_rows(model: torch.nn.Module, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight (and bias) of the target's frozen LM head, restricted to ``rows`` (a reduced draft vocabulary)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise SelfspecError(f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a Linear: "
+                            "draft heads need a plain LM head")
+    if rows is None:
+        return head.weight, head.bias
+    rows = rows.to(head.weight.device)
+    bias = None if head.bias is None else head.bias.index_select(0, rows)
+    return head.weight.index_select(0, rows), bias

@@ -1,0 +1,143 @@
+"""Head architectures as dataclasses: what ``selfspec_heads.json`` stores beside the trained weights.
+
+Each config describes one family's trained module (shapes, counts) plus the decoding defaults that
+belong with it (Medusa's static tree, EAGLE's expansion width). ``None`` fields mean "derive from
+the target"; ``resolved(target_config)`` fills them in, and checkpoints always store resolved values,
+so a loaded head is rebuilt with exactly the shapes it was trained with. Training-run settings
+(learning rate, data) are not here: they belong to the run's log.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, ClassVar
+
+from transformers import PretrainedConfig
+
+from ..errors import SelfspecError
+from .common import text_config
+
+# Paths of top-k ranks, one rank per Medusa head: [0, 1] = head 1's best token, then head 2's
+# second best. Prefixes come first; 15 nodes + the root fill the engine's default 16-node budget.
+DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
+    (0,), (0, 0), (1,), (0, 0, 0), (0, 1), (2,), (1, 0), (0, 0, 0, 0),
+    (0, 0, 1), (0, 2), (3,), (2, 0), (0, 1, 0), (1, 1), (0, 0, 0, 1),
+)
+
+
+@dataclass
+class MedusaConfig:
+    """K parallel heads on the target's last hidden state; head k predicts the token k places after the root."""
+
+    family: ClassVar[str] = "medusa"
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    tree: list[list[int]] | None = None  # None: DEFAULT_MEDUSA_TREE's paths that fit num_heads
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise SelfspecError(f"medusa needs num_heads >= 1 and num_layers >= 1, "
+                                f"got {self.num_heads}, {self.num_layers}")
+        if self.tree is None:
+            self.tree = [list(p) for p in DEFAULT_MEDUSA_TREE if len(p) <= self.num_heads]
+        self.tree = [list(map(int, p)) for p in self.tree]
+        bad = [p for p in self.tree if not p or len(p) > self.num_heads or min(p) < 0]
+        if bad:
+            raise SelfspecError(f"medusa tree paths must be non-empty, at most {self.num_heads} long, "
+                                f"with ranks >= 0; bad: {bad[:3]}")
+
+    def resolved(self, target_config: PretrainedConfig) -> MedusaConfig:
+        """Nothing to derive: Medusa's shapes come from the target's hidden size alone."""
+        return replace(self)
+
+
+@dataclass
+class EagleConfig:
+    """One decoder layer of the target's own class over (feature, next-token embedding) pairs.
+
+    ``intermediate_size`` narrows the layer's MLP (None: twice the hidden size, capped at the
+    target's); ``draft_vocab_size`` drafts over that many frequent tokens only (None: all of a
+    vocabulary up to 32768 tokens, else 32768); ``top_k``: children per expanded node, and nodes
+    expanded per depth, of the EAGLE-2 dynamic tree.
+    """
+
+    family: ClassVar[str] = "eagle"
+    intermediate_size: int | None = None
+    draft_vocab_size: int | None = None
+    top_k: int = 4
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise SelfspecError(f"eagle top_k must be >= 1, got {self.top_k}")
+        for name in ("intermediate_size", "draft_vocab_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SelfspecError(f"eagle {name} must be >= 1, got {value}")
+
+    def resolved(self, target_config: PretrainedConfig) -> EagleConfig:
+        """Fill in the MLP width and draft vocabulary from the target's config."""
+        tc = text_config(target_config)
+        width = self.intermediate_size or min(2 * tc.hidden_size, getattr(tc, "intermediate_size", 2 * tc.hidden_size))
+        vocab = self.draft_vocab_size or min(tc.vocab_size, 32768)
+        if vocab > tc.vocab_size:
+            raise SelfspecError(f"eagle draft_vocab_size {vocab} exceeds the target's vocabulary ({tc.vocab_size})")
+        return replace(self, intermediate_size=width, draft_vocab_size=vocab)
+
+
+@dataclass
+class EarlyExitConfig:
+    """Draft with the target's first ``exit_layer`` layers, its final norm and LM head (shared, not copied).
+
+    ``exit_projection``: a zero-initialised residual projection before the LM head (the only trained
+    weights). ``exit_layer`` None: a quarter of the target's layers (LayerSkip's choice for drafting).
+    """
+
+    family: ClassVar[str] = "early-exit"
+    exit_layer: int | None = None
+    exit_projection: bool = True
+
+    def resolved(self, target_config: PretrainedConfig) -> EarlyExitConfig:
+        """Fill in and check the exit layer against the target's depth."""
+        n = text_config(target_config).num_hidden_layers
+        layer = self.exit_layer if self.exit_layer is not None else max(1, n // 4)
+        if not 1 <= layer <= n:
+            raise SelfspecError(f"early-exit exit_layer must lie in [1, {n}] for this target, got {layer}")
+        return replace(self, exit_layer=layer)
+
+
+HeadConfig = MedusaConfig | EagleConfig | EarlyExitConfig
+CONFIGS: dict[str, type] = {c.family: c for c in (MedusaConfig, EagleConfig, EarlyExitConfig)}
+
+
+def config_class(family: str) -> type:
+    """The config dataclass of ``family``, or a one-line error naming the known families."""
+    if family not in CONFIGS:
+        raise SelfspecError(f"unknown head family '{family}'; known: {', '.join(CONFIGS)}")
+    return CONFIGS[family]
+
+
+def config_to_dict(config: HeadConfig) -> dict[str, Any]:
+    """JSON-ready fields of a head config (the family is stored beside it)."""
+    return asdict(config)
+
+
+def config_from_dict(family: str, data: dict[str, Any]) -> HeadConfig:
+    """Rebuild a head config; keys this version does not know are dropped with a warning."""
+    cls = config_class(family)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        warnings.warn(f"ignoring unknown {family} config keys {unknown} (written by another selfspec version?)",
+                      stacklevel=2)
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def make_config(family: str, **hyperparams: Any) -> HeadConfig:
+    """A config from keyword hyperparameters; a misspelt one is an error (unlike loading, a user typed it)."""
+    cls = config_class(family)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(hyperparams) - known)
+    if unknown:
+        raise SelfspecError(f"unknown {family} hyperparameters {unknown}; known: {sorted(known)}")
+    return cls(**hyperparams)

@@ -1,0 +1,200 @@
+"""Drafting with an EAGLE head: its own one-layer KV cache in step with the target, and an EAGLE-2 dynamic tree.
+
+Cache: the target caches positions 0 .. R-1 (R = root position) and reports their final hidden
+states, so pairs (f_t, x_{t+1}) exist for t = 0 .. R-1. The head's cache holds the pairs fed so far;
+``start`` feeds the prompt's pairs (the drafter's prefill), ``observe`` queues the newly committed
+ones and ``propose`` feeds them in one causal pass. The last output is f^_R, the predicted feature
+at the root, from which drafting starts.
+
+Tree (EAGLE-2): the root's top-k tokens form depth 1. At each further depth the k frontier nodes
+with the best cumulative log-probability are expanded in ONE pass of the head (a drafted node at
+depth d is pair R + d - 1, input = its parent's output feature and its own token; a tree mask lets
+it see the committed cache, its drafted ancestors and itself), each adding its top-k children. The
+best ``max_nodes - 1`` nodes by cumulative log-probability (ancestor-closed) form the draft. The
+head's cache is then cropped back to the committed pairs. Children are picked deterministically
+(top-k), so the tree carries no draft probabilities: exact in sampling mode too, if less accepting
+than sampled drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..drafters.base import DraftContext, DraftRequest, Drafter
+from ..kv_cache import truncate
+from ..tree import DraftTree, chain
+from .common import lm_head_rows, trained_parameter_count
+from .eagle import EagleHead
+
+
+@dataclass
+class EagleState:
+    """The head's cache over pairs 0 .. cached-1, the features of pairs not fed yet, f^ at the root."""
+
+    cache: object
+    cached: int = 0
+    pending: torch.Tensor | None = None  # (m, H): features of pairs cached .. cached + m - 1
+    root_feature: torch.Tensor | None = None  # (H,): the head's output for pair cached - 1
+
+
+@dataclass
+class Candidates:
+    """Drafted nodes in creation order (parents before children); parent -1 is the root."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # cumulative log-probability of the path
+
+    def add(self, token: int, parent: int, score: float) -> None:
+        """Append one node."""
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.scores.append(score)
+
+    def ancestors(self, node: int) -> list[int]:
+        """Drafted ancestors of ``node`` (root excluded), nearest first."""
+        out, p = [], self.parents[node]
+        while p >= 0:
+            out.append(p)
+            p = self.parents[p]
+        return out
+
+    def best(self, budget: int) -> list[int]:
+        """Up to ``budget`` nodes with the best scores whose parents are kept too, in creation order."""
+        keep: set[int] = set()
+        for i in sorted(range(len(self.tokens)), key=lambda i: -self.scores[i]):  # stable: parents win ties
+            if len(keep) == budget:
+                break
+            if self.parents[i] < 0 or self.parents[i] in keep:
+                keep.add(i)
+        return sorted(keep)
+
+    def to_tree(self, root: int, nodes: list[int]) -> DraftTree:
+        """The draft tree of ``nodes`` (ancestor-closed, creation order) below ``root``."""
+        where = {n: i + 1 for i, n in enumerate(nodes)}
+        parents = [-1] + [where.get(self.parents[n], 0) for n in nodes]
+        tokens = torch.tensor([root] + [self.tokens[n] for n in nodes], dtype=torch.long)
+        return DraftTree(tokens, parents)
+
+
+def expansion_mask(cand: Candidates, nodes: list[int], slot: dict[int, int], committed: int,
+                   cache_len: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, n, cache_len + n) boolean: each node sees the committed pairs, its drafted ancestors' slots, itself."""
+    n = len(nodes)
+    mask = torch.zeros(n, cache_len + n, dtype=torch.bool)
+    mask[:, :committed] = True
+    for i, node in enumerate(nodes):
+        mask[i, [slot[a] for a in cand.ancestors(node)]] = True
+        mask[i, cache_len + i] = True
+    return mask[None, None].to(device)
+
+
+class EagleDrafter(Drafter):
+    """Drafts EAGLE-2 dynamic trees with an :class:`EagleHead` on a frozen target."""
+
+    name = "eagle"
+    needs_hidden_states = True
+
+    def __init__(self, target: nn.Module, head: EagleHead, top_k: int | None = None) -> None:
+        self.target = target
+        self.head = head.eval()
+        self.top_k = top_k or head.config.top_k
+        self.embed = target.get_input_embeddings()
+        full = head.d2t.numel() == target.get_output_embeddings().out_features and bool(
+            (head.d2t == torch.arange(head.d2t.numel(), device=head.d2t.device)).all())
+        # the LM head's rows for the draft vocabulary, gathered once (a copy of draft_vocab x H when reduced)
+        self.lm_weight, self.lm_bias = lm_head_rows(target, None if full else head.d2t)
+        self.d2t = head.d2t.cpu()
+
+    @torch.no_grad()
+    def start(self, ctx: DraftContext) -> EagleState:
+        """Feed the prompt's pairs through the head (its prefill)."""
+        state = self.observe(EagleState(self.head.new_cache()), ctx)
+        self._catch_up(state, ctx)
+        return state
+
+    def observe(self, state: EagleState, ctx: DraftContext) -> EagleState:
+        """Queue the features of the positions the target just cached."""
+        if ctx.hidden_states is None:
+            return state
+        feats = ctx.hidden_states[-1]
+        state.pending = feats if state.pending is None else torch.cat([state.pending, feats])
+        if state.cached + state.pending.shape[0] != ctx.cache_len:
+            raise RuntimeError(f"eagle drafter out of step: {state.cached} pairs + {state.pending.shape[0]} "
+                               f"queued != {ctx.cache_len} cached by the target")
+        return state
+
+    def _log_probs(self, feats: torch.Tensor) -> torch.Tensor:
+        """(n, H) features -> (n, draft_vocab) log-probabilities."""
+        return nn.functional.linear(feats, self.lm_weight, self.lm_bias).float().log_softmax(-1)
+
+    def _run(self, feats: torch.Tensor, tokens: list[int], positions: list[int], cache: object,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One head pass over n pairs: (n, H) features + n tokens -> (n, H) predicted features."""
+        device = feats.device
+        ids = torch.tensor(tokens, device=self.embed.weight.device)
+        embeds = self.embed(ids).to(device=device, dtype=feats.dtype)
+        pos = torch.tensor(positions, device=device)[None]
+        return self.head(feats[None], embeds[None], pos, cache, mask)[0]
+
+    def _catch_up(self, state: EagleState, ctx: DraftContext) -> None:
+        """Feed the queued pairs in one causal pass; the last output becomes the root's feature."""
+        if state.pending is None or state.pending.shape[0] == 0:
+            return
+        m, start = state.pending.shape[0], state.cached
+        tokens = ctx.tokens[start + 1:start + m + 1].tolist()  # x_{t+1} for each queued pair t; the last is the root
+        out = self._run(state.pending.to(self.lm_weight.dtype), tokens, list(range(start, start + m)), state.cache)
+        state.cached, state.pending, state.root_feature = start + m, None, out[-1]
+
+    def _top(self, feats: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Top-k target token ids and their log-probabilities for each of (n, H) features."""
+        top = self._log_probs(feats).topk(k, dim=-1)
+        return self.d2t[top.indices.cpu()].tolist(), top.values.cpu().tolist()
+
+    def _grow(self, state: EagleState, root_feat: torch.Tensor, depth: int, budget: int) -> Candidates:
+        """EAGLE-2 expansion, depth by depth; the head's cache holds the expanded nodes afterwards."""
+        k = min(self.top_k, self.d2t.numel())
+        cand, out_feat, slot = Candidates(), {-1: root_feat}, {}
+        toks, scores = self._top(root_feat[None], k)
+        for t, s in zip(toks[0], scores[0]):
+            cand.add(t, -1, s)
+        frontier = list(range(len(cand.tokens)))
+        for d in range(1, depth):
+            if budget <= d:  # too few nodes left for anything deeper
+                break
+            expand = sorted(frontier, key=lambda i: -cand.scores[i])[:k]
+            cache_len = state.cached + len(slot)
+            mask = expansion_mask(cand, expand, slot, state.cached, cache_len, root_feat.device)
+            feats = torch.stack([out_feat[cand.parents[i]] for i in expand])
+            outs = self._run(feats, [cand.tokens[i] for i in expand], [state.cached + d - 1] * len(expand),
+                             state.cache, mask)
+            toks, scores = self._top(outs, k)
+            frontier = []
+            for j, node in enumerate(expand):
+                slot[node], out_feat[node] = cache_len + j, outs[j]
+                for t, s in zip(toks[j], scores[j]):
+                    frontier.append(len(cand.tokens))
+                    cand.add(t, node, cand.scores[node] + s)
+        return cand
+
+    @torch.no_grad()
+    def propose(self, state: EagleState, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, EagleState]:
+        """A dynamic tree of at most ``req.max_depth`` levels and ``req.max_nodes`` nodes."""
+        root = int(ctx.tokens[-1])
+        self._catch_up(state, ctx)
+        budget = req.max_nodes - 1
+        if state.root_feature is None or req.max_depth < 1 or budget < 1:  # nothing fed yet: 1-token prompt
+            return chain(root, []), state
+        cand = self._grow(state, state.root_feature, req.max_depth, budget)
+        truncate(state.cache, state.cached)  # drop the drafted pairs: only committed ones stay
+        return cand.to_tree(root, cand.best(budget)), state
+
+    def extra_parameters(self) -> int:
+        """The head's trained parameters plus the gathered LM-head rows of a reduced draft vocabulary (a copy)."""
+        shared = self.lm_weight.data_ptr() == self.target.get_output_embeddings().weight.data_ptr()
+        return trained_parameter_count(self.head) + (0 if shared else self.lm_weight.numel())

@@ -1,0 +1,145 @@
+"""Early-exit drafting (LayerSkip-style): the target's first L layers, its final norm and LM head draft a chain.
+
+The truncated model is the target's own base-model class built with ``num_hidden_layers = L`` on
+the meta device, then given the target's parameters and buffers by name: every tensor is shared,
+nothing is copied, and no modeling code is repeated. The only trained weights are an optional exit
+projection ``h + W h`` (W zero-initialised) between the final norm and the LM head.
+
+KV cache. The target's cache layers 0 .. L-1 already hold exactly what the truncated model needs for
+the committed prefix. When the context carries the target's cache (``ctx.target_cache``, an engine
+extension), the drafter drafts straight into a view of those L layer objects and crops them back to
+the committed length afterwards: zero extra KV memory. The current engine does not hand its cache
+to drafters, so otherwise the drafter keeps its own L-layer cache and re-feeds what the target
+committed since its last draft (as the separate draft-model drafter does).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache
+
+from ..drafters.base import DraftContext, DraftRequest, Drafter
+from ..drafters.draft_model import DraftModelState, common_prefix
+from ..errors import SelfspecError
+from ..kv_cache import truncate
+from ..sampling import logits_to_probs
+from ..tree import DraftTree, chain
+from ..verify import cache_kwarg
+from .common import config_with_layers, text_config, trained_parameter_count
+from .config import EarlyExitConfig
+
+
+class ExitAdapter(nn.Module):
+    """The trained part: an optional residual projection ``h + W h`` (W = 0 at init) before the LM head."""
+
+    def __init__(self, config: EarlyExitConfig, target_config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = text_config(target_config).hidden_size
+        self.proj = nn.Linear(hidden, hidden, bias=False) if config.exit_projection else None
+        if self.proj is not None:
+            nn.init.zeros_(self.proj.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) normed exit state -> (..., H) input of the LM head."""
+        return hidden if self.proj is None else hidden + self.proj(hidden)
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, buffer: bool, persistent: bool = True) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if buffer:
+        owner.register_buffer(leaf, tensor, persistent=persistent)
+    else:
+        setattr(owner, leaf, tensor)
+
+
+def truncated_decoder(target: nn.Module, num_layers: int) -> nn.Module:
+    """The target's base model cut to its first ``num_layers`` layers (+ final norm), sharing every tensor."""
+    decoder = target.get_decoder()
+    config = config_with_layers(target.config, num_layers, attn_implementation=decoder.config._attn_implementation)
+    with torch.device("meta"):
+        cut = type(decoder)(config)
+    params, persistent = dict(decoder.named_parameters()), set(cut.state_dict())
+    for name, p in list(cut.named_parameters()):
+        source = params.get(name)
+        if source is None or source.shape != p.shape:
+            raise SelfspecError(f"early exit cannot share '{name}' with {type(target).__name__}: "
+                                "its truncated copy does not have the same parameters")
+        _set_tensor(cut, name, source, buffer=False)
+    for name, _ in list(cut.named_buffers()):
+        _set_tensor(cut, name, decoder.get_buffer(name), buffer=True, persistent=name in persistent)
+    if any(t.is_meta for t in (*cut.parameters(), *cut.buffers())):
+        raise SelfspecError(f"early exit could not share every tensor of {type(target).__name__}")
+    return cut.eval()
+
+
+def prefix_cache_view(cache: Cache, num_layers: int) -> Cache:
+    """A cache whose layers ARE ``cache``'s first ``num_layers`` layer objects (no copy)."""
+    return Cache(layers=list(cache.layers[:num_layers]))
+
+
+class EarlyExitDrafter(Drafter):
+    """Drafts a chain with the target's first layers: greedy, or sampled with its distributions."""
+
+    name = "early-exit"
+
+    def __init__(self, target: nn.Module, adapter: ExitAdapter) -> None:
+        self.target = target
+        self.adapter = adapter.eval()
+        self.decoder = truncated_decoder(target, adapter.config.exit_layer)
+        self.lm_head = target.get_output_embeddings()
+        self.device = next(target.parameters()).device
+
+    @torch.no_grad()
+    def start(self, ctx: DraftContext) -> DraftModelState:
+        """Prefill an own L-layer cache with the prompt but its last token (none when drafting in the target's)."""
+        state = DraftModelState(DynamicCache(config=self.decoder.config), [])
+        prefix = ctx.tokens[:-1].tolist()
+        if prefix and getattr(ctx, "target_cache", None) is None:
+            self._logits(prefix, 0, state.cache)
+            state.processed = prefix
+        return state
+
+    def _logits(self, ids: list[int], start: int, cache: Cache) -> torch.Tensor:
+        """Feed ``ids`` at positions ``start ..`` into ``cache``; the logits after the last one, (V,)."""
+        x = torch.tensor([ids], device=self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        out = self.decoder(input_ids=x, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.decoder)): cache})
+        return self.lm_head(self.adapter(out.last_hidden_state[0, -1]))
+
+    @torch.no_grad()
+    def propose(self, state: DraftModelState, ctx: DraftContext, req: DraftRequest
+                ) -> tuple[DraftTree, DraftModelState]:
+        """A chain of ``req.max_depth`` tokens (greedy, or sampled with q reported)."""
+        tokens = ctx.tokens.tolist()
+        depth = min(req.max_depth, req.max_nodes - 1)
+        if depth <= 0:
+            return chain(tokens[-1], []), state
+        shared = getattr(ctx, "target_cache", None)
+        if shared is not None:  # the target's first L layers already hold tokens[:-1]
+            cache, keep = prefix_cache_view(shared, self.adapter.config.exit_layer), ctx.cache_len
+        else:
+            cache, keep = state.cache, min(common_prefix(state.processed, tokens), len(tokens) - 1)
+            truncate(cache, keep)
+        feed, pos, drafted, q_rows = tokens[keep:], keep, [], []
+        for _ in range(depth):
+            probs = logits_to_probs(self._logits(feed, pos, cache), req.sampling)
+            pos += len(feed)
+            tok = int(probs.argmax()) if req.sampling.greedy else int(
+                torch.multinomial(probs.cpu(), 1, generator=req.generator))
+            drafted.append(tok)
+            q_rows.append(probs.cpu())
+            feed = [tok]
+        if shared is not None:
+            truncate(cache, ctx.cache_len)  # give the target its layers back as they were
+        else:
+            state.processed = tokens + drafted[:-1]
+        q = None if req.sampling.greedy else torch.stack(q_rows + [torch.zeros_like(q_rows[0])])
+        return chain(tokens[-1], drafted, q), state
+
+    def extra_parameters(self) -> int:
+        """The exit adapter's trained parameters (the truncated model shares the target's)."""
+        return trained_parameter_count(self.adapter)

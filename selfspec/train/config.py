@@ -1,0 +1,126 @@
+"""Settings of one training run (logged with the run, not saved with the heads).
+
+Command-line flags map one to one onto ``TrainConfig`` fields (``--learning-rate`` -> ``learning_rate``);
+``--config FILE`` (YAML or JSON) sets fields first, flags given explicitly override the file.
+Head hyperparameters go through ``--head-arg KEY=VALUE`` into the family's own config dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import SelfspecError
+
+
+@dataclass
+class TrainConfig:
+    """One head-training run."""
+
+    base_model: str = "smollm2-135m-instruct"  # zoo name, hub id or folder; loaded frozen
+    family: str = "eagle"  # medusa | eagle | early-exit
+    head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
+    data: str = "sharegpt"  # sharegpt | humaneval | a .json/.jsonl file (e.g. from generate_data.py) | hub id
+    max_examples: int = 2000
+    max_length: int = 512
+    heldout_fraction: float = 0.02
+    output_dir: str = "runs/heads"
+    cache_features: bool = True  # run the target once, keep its hidden states on disk (safetensors shards)
+    epochs: int = 2
+    batch_size: int = 4  # sequences per optimizer micro-step
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    save_every: int = 100  # optimizer steps between resumable checkpoints
+    eval_examples: int = 32  # held-out examples for per-depth top-1 accuracy
+    seed: int = 0
+    resume: bool = False
+    medusa_decay: float = 0.8  # loss weight of Medusa head k is decay**k
+    eagle_token_weight: float = 0.1  # EAGLE: feature regression + this * token cross-entropy
+    max_steps: int = 0  # stop after this many optimizer steps (0 = run all epochs)
+
+    def __post_init__(self) -> None:
+        if self.family not in ("medusa", "eagle", "early-exit"):
+            raise SelfspecError(f"unknown head family '{self.family}'; choose medusa, eagle or early-exit")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise SelfspecError("mixed_precision must be no, bf16 or fp16")
+        if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
+            raise SelfspecError("batch_size, gradient_accumulation_steps and epochs must be >= 1")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per ``TrainConfig`` field, defaults left unset so a config file can supply them."""
+    p = argparse.ArgumentParser(description="Train selfspec draft heads on a frozen target (accelerate launch or python).")
+    p.add_argument("--config", help="YAML or JSON file of TrainConfig fields")
+    for f in fields(TrainConfig):
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if f.name == "head_args":
+            p.add_argument("--head-arg", dest="head_args", action="append", metavar="KEY=VALUE",
+                           help="a head hyperparameter, e.g. --head-arg num_heads=4 (repeatable)")
+        elif isinstance(default, bool):
+            p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"(default {default})")
+        else:
+            p.add_argument(_flag(f.name), dest=f.name, type=type(default), default=None, help=f"(default {default})")
+    return p
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Fields from a YAML (needs PyYAML) or JSON file."""
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError as exc:
+            raise SelfspecError("a YAML config needs PyYAML (pip install pyyaml); or use JSON") from exc
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SelfspecError(f"{path}: unknown TrainConfig fields {unknown}")
+    return data
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """The run's config from a file (optional) and flags."""
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    for f in fields(TrainConfig):
+        given = getattr(args, f.name)
+        if given is None:
+            continue
+        if f.name == "head_args":
+            pairs = {}
+            for item in given:
+                if "=" not in item:
+                    raise SelfspecError(f"--head-arg takes KEY=VALUE, got '{item}'")
+                key, value = item.split("=", 1)
+                pairs[key] = _parse_value(value)
+            values["head_args"] = {**values.get("head_args", {}), **pairs}
+        else:
+            values[f.name] = given
+    return TrainConfig(**values)
+
+
+def config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """JSON-ready form, for the run log."""
+    return asdict(cfg)

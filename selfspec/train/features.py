@@ -1,0 +1,118 @@
+"""Training examples and the frozen target's hidden states for them, optionally cached on disk.
+
+An example is ``input_ids`` and ``loss_mask`` (1 on assistant tokens) plus the target's hidden
+states at the layers the head family learns from. Running the target is most of the cost of an
+epoch, so with caching it runs once: tensors go to safetensors shards (bf16) under the run folder,
+an index is written last, and an interrupted caching pass resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from ..data import tokenize_for_training
+
+SHARD = 64  # examples per shard
+
+
+def tokenize_all(tokenizer, conversations: list[list[dict]], max_length: int) -> list[dict[str, torch.Tensor]]:
+    """Token ids and assistant-token loss masks; conversations with no assistant token are dropped."""
+    out = []
+    for messages in tqdm(conversations, desc="tokenize", unit="conv"):
+        enc = tokenize_for_training(tokenizer, messages, max_length)
+        if sum(enc["loss_mask"]) >= 2:
+            out.append({"input_ids": torch.tensor(enc["input_ids"]), "loss_mask": torch.tensor(enc["loss_mask"])})
+    return out
+
+
+@torch.no_grad()
+def target_hidden(model: torch.nn.Module, input_ids: torch.Tensor, layers: tuple[int, ...],
+                  attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Hidden states ``h{layer}`` (HF convention: 0 = embeddings, -1 = final normed) for a (B, T) batch."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    return {f"h{layer}": out.hidden_states[layer] for layer in layers}
+
+
+class FeatureCache(Dataset):
+    """Examples with cached target hidden states, read lazily from safetensors shards."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        index = json.loads((self.folder / "index.json").read_text())
+        self.count, self.keys = index["count"], index["keys"]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        shard = self.folder / f"shard-{i // SHARD:05d}.safetensors"
+        with safe_open(str(shard), framework="pt") as f:
+            return {k: f.get_tensor(f"{i}.{k}").float() if k.startswith("h") else f.get_tensor(f"{i}.{k}")
+                    for k in self.keys}
+
+
+def build_feature_cache(model: torch.nn.Module, examples: list[dict[str, torch.Tensor]], layers: tuple[int, ...],
+                        folder: Path) -> FeatureCache:
+    """Run the target over ``examples`` once and store everything; reuse a complete cache as it is."""
+    folder = Path(folder)
+    if (folder / "index.json").is_file():
+        cache = FeatureCache(folder)
+        if cache.count == len(examples):
+            return cache
+    folder.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    shards = (len(examples) + SHARD - 1) // SHARD
+    for s in tqdm(range(shards), desc="cache target features", unit="shard"):
+        path = folder / f"shard-{s:05d}.safetensors"
+        if path.is_file():
+            continue  # written whole by an earlier, interrupted pass
+        tensors = {}
+        for i in range(s * SHARD, min((s + 1) * SHARD, len(examples))):
+            ex = examples[i]
+            hs = target_hidden(model, ex["input_ids"][None].to(device), layers)
+            tensors[f"{i}.input_ids"] = ex["input_ids"]
+            tensors[f"{i}.loss_mask"] = ex["loss_mask"]
+            for k, v in hs.items():
+                tensors[f"{i}.{k}"] = v[0].to(torch.bfloat16).cpu().contiguous()
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.rename(path)
+    keys = ["input_ids", "loss_mask", *(f"h{layer}" for layer in layers)]
+    (folder / "index.json").write_text(json.dumps({"count": len(examples), "keys": keys}))
+    return FeatureCache(folder)
+
+
+class TokenDataset(Dataset):
+    """Examples without cached states: the training loop runs the target per batch."""
+
+    def __init__(self, examples: list[dict[str, torch.Tensor]]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.examples[i]
+
+
+def pad_batch(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad every tensor to the longest sequence; adds ``attention_mask``. Padding has loss_mask 0."""
+    length = max(it["input_ids"].numel() for it in items)
+    batch = {}
+    for key in items[0]:
+        rows = []
+        for it in items:
+            t = it[key]
+            pad = length - t.shape[0]
+            rows.append(torch.nn.functional.pad(t, (0, 0, 0, pad) if t.dim() == 2 else (0, pad)))
+        batch[key] = torch.stack(rows)
+    batch["attention_mask"] = torch.stack(
+        [torch.arange(length) < it["input_ids"].numel() for it in items]).long()
+    return batch

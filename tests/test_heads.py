@@ -1,0 +1,185 @@
+"""Draft heads on a frozen target: every family is lossless, EAGLE's cached tree equals recomputation,
+early exit can draft inside the target's own cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import test_engine_sampling as sampling_test
+from conftest import hf_greedy, tiny_model
+from selfspec.drafters.base import DraftContext, DraftRequest
+from selfspec.engine import DecodeConfig, SpeculativeEngine, prefill
+from selfspec.heads import init_heads, make_drafter
+from selfspec.heads.early_exit import truncated_decoder
+from selfspec.heads.medusa import rank_tree
+from selfspec.sampling import SamplingConfig
+from selfspec.tree import DraftTree
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run 2-3x faster on one thread than on two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+HYPER = {"medusa": {}, "eagle": {"draft_vocab_size": 48, "top_k": 3}, "early-exit": {"exit_layer": 1}}
+
+
+def perturb(heads: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
+    """Move every trained weight off its initial value, so drafts are neither identity nor all-zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return heads
+
+
+def prompt_for(seed: int, n: int = 10, vocab: int = 64) -> list[int]:
+    g = torch.Generator().manual_seed(2000 + seed)
+    base = torch.randint(0, vocab, (n // 2,), generator=g).tolist()
+    return (base * 2)[:n]
+
+
+@pytest.mark.parametrize("perturbed", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", list(HYPER))
+def test_greedy_heads_match_hf(family: str, arch: str, seed: int, perturbed: bool) -> None:
+    model = tiny_model(seed, layers=3, arch=arch)
+    prompt = prompt_for(seed)
+    heads = init_heads(family, model, **HYPER[family])
+    if perturbed:
+        perturb(heads, seed)
+    limits = [(4, 16), (6, 8), (2, 3)][seed]
+    cfg = DecodeConfig(max_new_tokens=24, max_depth=limits[0], max_nodes=limits[1], adaptive=False)
+    got = SpeculativeEngine(model, make_drafter(heads, model)).generate(prompt, cfg)
+    assert got.tokens == hf_greedy(model, prompt, 24)
+
+
+@pytest.mark.parametrize("family", list(HYPER))
+def test_one_token_prompt(family: str) -> None:
+    model = tiny_model(4, layers=3)
+    drafter = make_drafter(perturb(init_heads(family, model, **HYPER[family]), 0), model)
+    got = SpeculativeEngine(model, drafter).generate([7], DecodeConfig(max_new_tokens=16, adaptive=False))
+    assert got.tokens == hf_greedy(model, [7], 16)
+
+
+def test_early_exit_through_every_layer_accepts_everything() -> None:
+    """With L = all layers and a zero projection the draft IS the target: checks positions and the cache."""
+    model = tiny_model(2, layers=3, arch="qwen2")
+    drafter = make_drafter(init_heads("early-exit", model, exit_layer=3), model)
+    got = SpeculativeEngine(model, drafter).generate(prompt_for(2), DecodeConfig(max_new_tokens=30, max_depth=4,
+                                                                                 adaptive=False))
+    assert got.tokens == hf_greedy(model, prompt_for(2), 30)
+    assert got.stats.acceptance_by_depth == [1.0] * 4
+
+
+def test_early_exit_shares_tensors_not_modules() -> None:
+    model = tiny_model(0, layers=3)
+    cut = truncated_decoder(model, 2)
+    target = dict(model.get_decoder().named_parameters())
+    for name, p in cut.named_parameters():
+        assert p is target[name]  # shared, nothing copied
+    assert len(cut.layers) == 2 and cut.layers[0] is not model.get_decoder().layers[0]
+    assert init_heads("early-exit", model, exit_layer=2).proj.weight.abs().sum() == 0
+
+
+@dataclass
+class SharedCacheContext(DraftContext):
+    """The engine extension early exit uses when present: the target's own cache."""
+
+    target_cache: object = None
+
+
+def test_early_exit_drafts_inside_the_target_cache() -> None:
+    model = tiny_model(5, layers=3)
+    drafter = make_drafter(perturb(init_heads("early-exit", model, exit_layer=2), 5, 0.1), model)
+    state, _ = prefill(model, torch.tensor(prompt_for(5, 12)), hidden_states=False)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers]
+    req = DraftRequest(4, 16, SamplingConfig())
+    ctx = DraftContext(state.tokens, state.cache_len)
+    own, _ = drafter.propose(drafter.start(ctx), ctx, req)
+    ctx = SharedCacheContext(state.tokens, state.cache_len, target_cache=state.cache)
+    shared, _ = drafter.propose(drafter.start(ctx), ctx, req)
+    assert shared.tokens.tolist() == own.tokens.tolist()
+    for layer, (k, v) in zip(state.cache.layers, before):  # the target gets its cache back untouched
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+
+
+def test_rank_tree_prunes_to_limits() -> None:
+    paths = [[0], [0, 0], [1], [0, 0, 0], [0, 1], [2, 1]]
+    parents, labels = rank_tree(paths, max_depth=2, max_nodes=5)
+    assert parents == [-1, 0, 1, 0, 1] and labels[1:] == [(1, 0), (2, 0), (1, 1), (2, 1)]
+    parents, labels = rank_tree([[2, 1]], max_depth=3, max_nodes=8)  # a missing prefix comes with its path
+    assert parents == [-1, 0, 1] and labels[1:] == [(1, 2), (2, 1)]
+
+
+def _path(tree: DraftTree, node: int) -> list[int]:
+    out = []
+    while node > 0:
+        out.append(int(tree.tokens[node]))
+        node = tree.parents[node]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_eagle_tree_equals_uncached_recomputation(seed: int) -> None:
+    """Every node's children are the head's top-k after recomputing its whole path from scratch, no cache."""
+    model = tiny_model(seed, layers=2, arch=["llama", "qwen2"][seed % 2])
+    heads = init_heads("eagle", model, top_k=3, draft_vocab_size=40)
+    drafter = make_drafter(heads, model)
+    prompt = prompt_for(seed, 11)
+    state, hs = prefill(model, torch.tensor(prompt), hidden_states=True)
+    ctx = DraftContext(state.tokens, state.cache_len, hs)
+    tree, dstate = drafter.propose(drafter.start(ctx), ctx, DraftRequest(4, 14, SamplingConfig()))
+    assert tree.max_depth >= 2 and tree.size == 14
+    assert dstate.cache.get_seq_length() == dstate.cached == state.cache_len  # drafted pairs were dropped
+    real = hs[-1]  # f_0 .. f_{R-1}
+    with torch.no_grad():
+        for node in range(tree.size):
+            if not tree.children[node]:
+                continue
+            drafted = _path(tree, node)
+            feats, toks = real, prompt[1:]
+            for tok in [None, *drafted]:  # grow the sequence with the head's own predicted features
+                if tok is not None:
+                    feats, toks = torch.cat([feats, pred[None]]), toks + [tok]
+                embeds = model.get_input_embeddings()(torch.tensor(toks))
+                pred = heads(feats[None], embeds[None], torch.arange(len(toks))[None])[0, -1]
+            top, _ = drafter._top(pred[None], 3)
+            kids = [int(tree.tokens[c]) for c in tree.children[node]]
+            assert set(kids) <= set(top[0]) and top[0][0] in kids
+
+
+@pytest.mark.parametrize("family", list(HYPER))
+def test_sampling_with_heads_is_lossless(family: str, monkeypatch) -> None:
+    monkeypatch.setattr(sampling_test, "N", 1000)
+    target = tiny_model(11, vocab=sampling_test.VOCAB, hidden=16)
+    hyper = {"medusa": {}, "eagle": {"draft_vocab_size": 6, "top_k": 3}, "early-exit": {"exit_layer": 1}}[family]
+    heads = perturb(init_heads(family, target, **hyper), 3, 0.2)
+    engine = SpeculativeEngine(target, make_drafter(heads, target))
+    samples = sampling_test.draw(engine, 1)
+    assert sampling_test.chi_square_pvalue(samples, sampling_test.exact_joint(target)) > sampling_test.ALPHA
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", list(HYPER))
+def test_real_model_heads_match_generate(family: str) -> None:
+    from selfspec.zoo import load_model
+
+    model, tokenizer = load_model("smollm2-135m-instruct")
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = torch.tensor([prompt])
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                              temperature=None, top_p=None, top_k=None)[0, len(prompt):].tolist()
+    drafter = make_drafter(init_heads(family, model), model)
+    got = SpeculativeEngine(model, drafter, tokenizer).generate(prompt, DecodeConfig(max_new_tokens=24))
+    eos = model.generation_config.eos_token_id
+    assert got.tokens == expected[: len(got.tokens)] and (len(got.tokens) == 24 or got.tokens[-1] in
+                                                          (eos if isinstance(eos, list) else [eos]))
