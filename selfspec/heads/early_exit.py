@@ -6,11 +6,10 @@ nothing is copied, and no modeling code is repeated. The only trained weights ar
 projection ``h + W h`` (W zero-initialised) between the final norm and the LM head.
 
 KV cache. The target's cache layers 0 .. L-1 already hold exactly what the truncated model needs for
-the committed prefix. When the context carries the target's cache (``ctx.target_cache``, an engine
-extension), the drafter drafts straight into a view of those L layer objects and crops them back to
-the committed length afterwards: zero extra KV memory. The current engine does not hand its cache
-to drafters, so otherwise the drafter keeps its own L-layer cache and re-feeds what the target
-committed since its last draft (as the separate draft-model drafter does).
+the committed prefix. The engine hands its cache to drafters (``ctx.target_cache``), so the drafter
+drafts straight into a view of those L layer objects and crops them back to the committed length
+afterwards: zero extra KV memory. Used outside the engine without a target cache, the drafter keeps
+its own L-layer cache and re-feeds what was committed since its last draft.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ an index is written last, and an interrupted caching pass resumes at the first m
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from ..data import tokenize_for_training
 
 SHARD = 64  # examples per shard
+TOKEN_KEYS = ("input_ids", "loss_mask")
 
 
 def tokenize_all(tokenizer, conversations: list[list[dict]], max_length: int) -> list[dict[str, torch.Tensor]]:
@@ -30,14 +32,6 @@ def tokenize_all(tokenizer, conversations: list[list[dict]], max_length: int) ->
         if sum(enc["loss_mask"]) >= 2:
             out.append({"input_ids": torch.tensor(enc["input_ids"]), "loss_mask": torch.tensor(enc["loss_mask"])})
     return out
-
-
-@torch.no_grad()
-def target_hidden(model: torch.nn.Module, input_ids: torch.Tensor, layers: tuple[int, ...],
-                  attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Hidden states ``h{layer}`` (HF convention: 0 = embeddings, -1 = final normed) for a (B, T) batch."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
-    return {f"h{layer}": out.hidden_states[layer] for layer in layers}
 
 
 class FeatureCache(Dataset):
@@ -54,20 +48,23 @@ class FeatureCache(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         shard = self.folder / f"shard-{i // SHARD:05d}.safetensors"
         with safe_open(str(shard), framework="pt") as f:
-            return {k: f.get_tensor(f"{i}.{k}").float() if k.startswith("h") else f.get_tensor(f"{i}.{k}")
+            return {k: f.get_tensor(f"{i}.{k}") if k in TOKEN_KEYS else f.get_tensor(f"{i}.{k}").float()
                     for k in self.keys}
 
 
-def build_feature_cache(model: torch.nn.Module, examples: list[dict[str, torch.Tensor]], layers: tuple[int, ...],
-                        folder: Path) -> FeatureCache:
-    """Run the target over ``examples`` once and store everything; reuse a complete cache as it is."""
+def build_feature_cache(feature_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+                        examples: list[dict[str, torch.Tensor]], keys: tuple[str, ...], folder: Path,
+                        device: torch.device | str = "cpu") -> FeatureCache:
+    """Run ``feature_fn`` ((1, T) ids -> {key: (1, T, H)}) over ``examples`` once and store it all.
+
+    A complete cache of the same size is reused as it is; shards already written are kept.
+    """
     folder = Path(folder)
     if (folder / "index.json").is_file():
         cache = FeatureCache(folder)
         if cache.count == len(examples):
             return cache
     folder.mkdir(parents=True, exist_ok=True)
-    device = next(model.parameters()).device
     shards = (len(examples) + SHARD - 1) // SHARD
     for s in tqdm(range(shards), desc="cache target features", unit="shard"):
         path = folder / f"shard-{s:05d}.safetensors"
@@ -76,16 +73,15 @@ def build_feature_cache(model: torch.nn.Module, examples: list[dict[str, torch.T
         tensors = {}
         for i in range(s * SHARD, min((s + 1) * SHARD, len(examples))):
             ex = examples[i]
-            hs = target_hidden(model, ex["input_ids"][None].to(device), layers)
+            feats = feature_fn(ex["input_ids"][None].to(device))
             tensors[f"{i}.input_ids"] = ex["input_ids"]
             tensors[f"{i}.loss_mask"] = ex["loss_mask"]
-            for k, v in hs.items():
-                tensors[f"{i}.{k}"] = v[0].to(torch.bfloat16).cpu().contiguous()
+            for k in keys:
+                tensors[f"{i}.{k}"] = feats[k][0].to(torch.bfloat16).cpu().contiguous()
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp))
         tmp.rename(path)
-    keys = ["input_ids", "loss_mask", *(f"h{layer}" for layer in layers)]
-    (folder / "index.json").write_text(json.dumps({"count": len(examples), "keys": keys}))
+    (folder / "index.json").write_text(json.dumps({"count": len(examples), "keys": [*TOKEN_KEYS, *keys]}))
     return FeatureCache(folder)
 
 

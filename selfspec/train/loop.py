@@ -1,0 +1,165 @@
+"""The training loop, flat and visible: frozen target, trained heads, accelerate for devices and resume.
+
+    load target (frozen) -> init heads -> tokenize data -> (cache target features) -> for each step:
+    loss -> backward -> clip -> optimizer + warmup/cosine schedule -> log, checkpoint every N steps
+    -> per-epoch held-out top-1 accuracy per depth -> augmented checkpoint (selfspec heads format)
+
+Distribution is accelerate's own (DDP from `accelerate config`; FSDP or DeepSpeed through its
+config files). Resuming restores model, optimizer, scheduler and RNG states with
+``accelerator.load_state`` and skips the batches already seen in the epoch (seedable sampler), so
+a resumed run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from ..checkpoint import save_heads
+from ..data import load_chat_dataset
+from ..heads import init_heads
+from ..zoo import load_model
+from .config import TrainConfig, config_dict
+from .features import FeatureCache, TokenDataset, build_feature_cache, pad_batch, tokenize_all
+from .losses import depth_accuracy, feature_keys, head_loss, target_features
+
+
+def load_examples(cfg: TrainConfig, tokenizer, split: str, limit: int) -> list[dict[str, torch.Tensor]]:
+    """Tokenised conversations of one split (assistant-token loss masks)."""
+    ds = load_chat_dataset(cfg.data, split=split, heldout_fraction=cfg.heldout_fraction, limit=limit)
+    return tokenize_all(tokenizer, list(ds["messages"]), cfg.max_length)
+
+
+def with_features(batch: dict[str, torch.Tensor], cfg: TrainConfig, target, heads) -> dict[str, torch.Tensor]:
+    """Add the target's states to a batch unless they came from the feature cache."""
+    if all(k in batch for k in feature_keys(cfg.family)):
+        return batch
+    return {**batch, **target_features(cfg.family, target, heads, batch["input_ids"], batch["attention_mask"])}
+
+
+def set_draft_vocab(heads, examples: list[dict[str, torch.Tensor]], vocab: int) -> None:
+    """EAGLE with a reduced draft vocabulary: keep the most frequent assistant tokens of the training data."""
+    if heads.config.family != "eagle" or heads.d2t.numel() >= vocab:
+        return
+    counts = torch.zeros(vocab)
+    for ex in examples:
+        counts.index_add_(0, ex["input_ids"][ex["loss_mask"].bool()], torch.ones(int(ex["loss_mask"].sum())))
+    heads.set_draft_vocab(counts)
+
+
+def evaluate(cfg: TrainConfig, heads, target, loader) -> list[float]:
+    """Held-out top-1 accuracy per draft depth."""
+    heads.eval()
+    correct, total = [0] * 4, [0] * 4
+    for batch in loader:
+        c, t = depth_accuracy(cfg.family, heads, target, with_features(batch, cfg, target, heads))
+        correct = [a + b for a, b in zip(correct, c)]
+        total = [a + b for a, b in zip(total, t)]
+    heads.train()
+    return [c / t for c, t in zip(correct, total) if t]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest ``step-N`` folder under ``out/checkpoints``."""
+    steps = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return steps[-1] if steps else None
+
+
+def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=None) -> Path:
+    """Run (or resume) one training run; returns the folder of the trained heads checkpoint.
+
+    ``target``/``tokenizer`` may be passed already loaded (frozen here); else ``cfg.base_model`` is loaded.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+    from transformers import get_cosine_schedule_with_warmup
+
+    out = Path(cfg.output_dir)
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              mixed_precision=cfg.mixed_precision,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(cfg.seed)
+    if target is None:
+        target, tokenizer = load_model(cfg.base_model, device=accelerator.device)
+    target.eval().requires_grad_(False)  # frozen: no gradients, no optimizer state
+    heads = init_heads(cfg.family, target, **cfg.head_args).float()
+    train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
+    eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
+    set_draft_vocab(heads, train_ex, target.get_output_embeddings().out_features)
+    keys = feature_keys(cfg.family)
+    if cfg.cache_features:
+        with accelerator.main_process_first():
+            train_set = build_feature_cache(lambda ids: target_features(cfg.family, target, heads, ids),
+                                            train_ex, keys, out / "features", accelerator.device)
+    else:
+        train_set = TokenDataset(train_ex)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=pad_batch,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    eval_loader = DataLoader(TokenDataset(eval_ex), batch_size=cfg.batch_size, collate_fn=pad_batch)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    steps_per_epoch = math.ceil(len(loader) / cfg.gradient_accumulation_steps)
+    total_steps = steps_per_epoch * cfg.epochs
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, total_steps)
+    heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
+
+    step = 0
+    ckpt = latest_checkpoint(out) if cfg.resume else None
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))
+        step = int(ckpt.name.split("-")[1])
+        accelerator.print(f"resumed from {ckpt} (step {step})")
+    log_path = out / "log.jsonl"
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+    stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+    bar = tqdm(total=stop_at, initial=step, desc=f"train {cfg.family}", disable=not accelerator.is_local_main_process)
+    start = time.perf_counter()
+    heads.train()
+    for epoch in range(step // steps_per_epoch, cfg.epochs):
+        if step >= stop_at:
+            break
+        loader.set_epoch(epoch)
+        done_in_epoch = (step - epoch * steps_per_epoch) * cfg.gradient_accumulation_steps
+        batches = accelerator.skip_first_batches(loader, done_in_epoch) if done_in_epoch else loader
+        for batch in batches:
+            with accelerator.accumulate(heads):
+                loss, parts = head_loss(cfg.family, heads, target, with_features(batch, cfg, target, heads), cfg)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+            if accelerator.is_main_process:
+                with log_path.open("a") as f:
+                    f.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.item(), **parts,
+                                        "lr": scheduler.get_last_lr()[0],
+                                        "elapsed_s": time.perf_counter() - start}) + "\n")
+            if step % cfg.save_every == 0 or step == stop_at:
+                accelerator.save_state(str(out / "checkpoints" / f"step-{step}"))
+            if step >= stop_at:
+                break
+        if step % steps_per_epoch == 0 or step >= total_steps:  # a whole epoch is done
+            acc = evaluate(cfg, accelerator.unwrap_model(heads), target, eval_loader)
+            accelerator.print(f"epoch {epoch}: held-out top-1 by depth {[round(a, 3) for a in acc]}")
+            if accelerator.is_main_process:
+                with log_path.open("a") as f:
+                    f.write(json.dumps({"step": step, "epoch": epoch, "heldout_top1_by_depth": acc}) + "\n")
+    bar.close()
+    accelerator.wait_for_everyone()
+    final = out / "heads"
+    if accelerator.is_main_process:
+        save_heads(accelerator.unwrap_model(heads), target, final, tokenizer=tokenizer, base_name=cfg.base_model)
+    return final

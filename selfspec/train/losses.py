@@ -1,0 +1,146 @@
+"""What each head family learns from the frozen target, and its held-out top-1 accuracy per draft depth.
+
+Notation for one batch: tokens x (B, T), loss mask m (B, T) (1 on assistant tokens), the target's
+final normed hidden states f (B, T, H); f_t under the target's LM head predicts x_{t+1}.
+
+* Medusa: head i (0-based) on f_t predicts x_{t+2+i}; cross-entropy weighted decay**i.
+* EAGLE: the pair (f_t, x_{t+1}) predicts f_{t+1}: smooth-L1 regression on the feature plus a soft
+  cross-entropy between the draft's and the target's next-token distributions (over the draft vocabulary).
+* Early exit: the exit state (first L layers + final norm + adapter) predicts x_{t+1}: KL to the
+  target's own distribution there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..heads.common import lm_head_rows
+from ..heads.early_exit import truncated_decoder
+
+
+def feature_keys(family: str) -> tuple[str, ...]:
+    """The target states a family trains on (what the feature cache stores)."""
+    return ("f", "exit") if family == "early-exit" else ("f",)
+
+
+@torch.no_grad()
+def target_features(family: str, target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The frozen target's states for a (B, T) batch: ``f`` (final normed) and, for early exit, ``exit``."""
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    feats = {"f": out.hidden_states[-1]}
+    if family == "early-exit":
+        cut = truncated_decoder(target, heads.config.exit_layer)
+        feats["exit"] = cut(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return feats
+
+
+def _lm(target: nn.Module, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    weight, bias = lm_head_rows(target, rows)
+    return F.linear(h, weight.to(h.dtype), None if bias is None else bias.to(h.dtype))
+
+
+def medusa_loss(heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], decay: float
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted cross-entropy of every head on the positions whose target token is an assistant token."""
+    x, m, f = batch["input_ids"], batch["loss_mask"].bool(), batch["f"]
+    states = heads(f)  # (K, B, T, H)
+    total, logs = f.new_zeros(()), {}
+    for i in range(states.shape[0]):
+        shift = i + 2
+        if x.shape[1] <= shift:
+            break
+        keep = m[:, shift:]
+        if not keep.any():
+            continue
+        logits = _lm(target, states[i][:, :-shift][keep])  # (n, V)
+        ce = F.cross_entropy(logits.float(), x[:, shift:][keep])
+        total = total + decay**i * ce
+        logs[f"ce{i + 1}"] = ce.item()
+    return total, logs
+
+
+def eagle_step(head: nn.Module, target: nn.Module, feats: torch.Tensor, next_tokens: torch.Tensor, start: int,
+               attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """One pass of the head over pairs (feats[:, j], next_tokens[:, j]) at positions start + j -> predicted features."""
+    embeds = target.get_input_embeddings()(next_tokens).to(feats.dtype)
+    pos = torch.arange(start, start + feats.shape[1], device=feats.device)[None].expand(feats.shape[0], -1)
+    return head(feats, embeds, pos, attention_mask=attention_mask)
+
+
+def eagle_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], token_weight: float
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Feature regression + soft cross-entropy to the target's next-token distribution (draft vocabulary)."""
+    x, m, f, am = batch["input_ids"], batch["loss_mask"].bool(), batch["f"], batch["attention_mask"]
+    pred = eagle_step(head, target, f[:, :-1], x[:, 1:], 0, am[:, 1:])  # pred[:, t] ~ f[:, t + 1]
+    keep = m[:, 1:]
+    reg = F.smooth_l1_loss(pred[keep].float(), f[:, 1:][keep].float())
+    rows = head.d2t
+    draft_logp = F.log_softmax(_lm(target, pred[keep], rows).float(), -1)
+    with torch.no_grad():
+        teacher = F.softmax(_lm(target, f[:, 1:][keep], rows).float(), -1)
+    soft_ce = -(teacher * draft_logp).sum(-1).mean()
+    return reg + token_weight * soft_ce, {"reg": reg.item(), "soft_ce": soft_ce.item()}
+
+
+def early_exit_loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL(target || exit) of the next-token distributions on assistant positions."""
+    m, f, e = batch["loss_mask"].bool(), batch["f"], batch["exit"]
+    keep = torch.zeros_like(m)
+    keep[:, :-1] = m[:, 1:]  # position t predicts token t+1
+    logp = F.log_softmax(_lm(target, adapter(e[keep])).float(), -1)
+    with torch.no_grad():
+        teacher = F.log_softmax(_lm(target, f[keep]).float(), -1)
+    kl = F.kl_div(logp, teacher, log_target=True, reduction="batchmean")
+    return kl, {"kl": kl.item()}
+
+
+def head_loss(family: str, heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of ``family`` (settings from the run's TrainConfig)."""
+    if family == "medusa":
+        return medusa_loss(heads, target, batch, cfg.medusa_decay)
+    if family == "eagle":
+        return eagle_loss(heads, target, batch, cfg.eagle_token_weight)
+    return early_exit_loss(heads, target, batch)
+
+
+@torch.no_grad()
+def depth_accuracy(family: str, heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor],
+                   max_depth: int = 4) -> tuple[list[int], list[int]]:
+    """(correct, total) top-1 counts per draft depth against the data's tokens, on assistant positions.
+
+    Depth d means: the token d places after the root. Medusa head d-1; EAGLE unrolled d times on its own
+    predicted features (teacher-forced tokens); early exit has depth 1 only.
+    """
+    x, m = batch["input_ids"], batch["loss_mask"].bool()
+    correct, total = [0] * max_depth, [0] * max_depth
+    T = x.shape[1]
+
+    def score(d: int, predicted: torch.Tensor, first: int) -> None:  # predicted[:, j] guesses x[:, first + j]
+        n = min(predicted.shape[1], T - first)
+        if n <= 0:
+            return
+        keep = m[:, first:first + n]
+        correct[d - 1] += int(((predicted[:, :n] == x[:, first:first + n]) & keep).sum())
+        total[d - 1] += int(keep.sum())
+
+    if family == "medusa":
+        states = heads(batch["f"])
+        for i in range(min(states.shape[0], max_depth)):
+            score(i + 1, _lm(target, states[i]).argmax(-1), i + 2)
+    elif family == "eagle":
+        feats, am = batch["f"][:, :-1], batch["attention_mask"]
+        for d in range(1, max_depth + 1):
+            n = feats.shape[1]
+            if n == 0:
+                break
+            pred = eagle_step(heads, target, feats, x[:, d:d + n], d - 1, am[:, d:d + n])
+            score(d, heads.d2t[_lm(target, pred, heads.d2t).argmax(-1)], d + 1)
+            feats = pred[:, :-1]
+    else:
+        score(1, _lm(target, heads(batch["exit"])).argmax(-1), 1)
+    return correct, total

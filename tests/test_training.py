@@ -1,0 +1,90 @@
+"""Training heads on a tiny in-process model: the loss falls, the base stays bit-identical, a resumed
+run ends with the uninterrupted run's weights, and the produced checkpoint drafts losslessly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import hf_greedy, tiny_model
+from selfspec.checkpoint import load_heads
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.train.config import TrainConfig, parse_config
+from selfspec.train.loop import train
+from test_data import make_tokenizer
+
+VOCAB = 272  # the byte-level test tokenizer has 259 tokens
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    rows = []
+    for i in range(40):
+        reply = " ".join(["abc def ghi"] * (3 + i % 4))
+        rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": f"say it {i % 7}"},
+                                                 {"role": "assistant", "content": reply}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def _cfg(family: str, data: Path, out: Path, **kw) -> TrainConfig:
+    head_args = {"num_heads": 2} if family == "medusa" else {"exit_layer": 1} if family == "early-exit" else {}
+    base = dict(base_model="tiny", family=family, head_args=head_args, data=str(data), max_examples=24,
+                max_length=96, heldout_fraction=0.1, output_dir=str(out), epochs=2, batch_size=4,
+                learning_rate=1e-2, warmup_steps=1, save_every=3, eval_examples=8, seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.parametrize("family", ["eagle", "medusa", "early-exit"])
+def test_training_lowers_loss_and_freezes_the_base(family: str, chat_file: Path, tmp_path: Path) -> None:
+    model, tok = tiny_model(0, vocab=VOCAB, layers=2), make_tokenizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    folder = train(_cfg(family, chat_file, tmp_path, epochs=4), model, tok)
+    losses = _losses(tmp_path)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bit-identical
+    assert not any(p.requires_grad for p in model.parameters())
+    log = (tmp_path / "log.jsonl").read_text()
+    assert "heldout_top1_by_depth" in log
+    heads, drafter = load_heads(model, folder, tokenizer=tok)
+    prompt = tok.encode("say it 3 abc def")
+    got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=24, adaptive=False))
+    assert got.tokens == hf_greedy(model, prompt, 24)
+
+
+def test_resume_reproduces_the_uninterrupted_run(chat_file: Path, tmp_path: Path) -> None:
+    tok = make_tokenizer()
+    full = train(_cfg("eagle", chat_file, tmp_path / "full"), tiny_model(0, vocab=VOCAB), tok)
+    train(_cfg("eagle", chat_file, tmp_path / "cut", max_steps=4), tiny_model(0, vocab=VOCAB), tok)  # "killed" at 4
+    resumed = train(_cfg("eagle", chat_file, tmp_path / "cut", resume=True), tiny_model(0, vocab=VOCAB), tok)
+    a, b = load_file(str(full / "heads.safetensors")), load_file(str(resumed / "heads.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _losses(tmp_path / "full")[4:] == _losses(tmp_path / "cut")[4:]
+
+
+def test_flags_map_onto_the_config(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps({"family": "medusa", "epochs": 5, "head_args": {"num_heads": 3}}))
+    cfg = parse_config(["--config", str(cfg_file), "--epochs", "2", "--head-arg", "num_layers=2", "--no-cache-features"])
+    assert (cfg.family, cfg.epochs, cfg.cache_features) == ("medusa", 2, False)
+    assert cfg.head_args == {"num_heads": 3, "num_layers": 2}
