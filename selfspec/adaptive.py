@@ -39,10 +39,15 @@ class AdaptiveDepth:
     plain_left: int = 0
 
     def alpha(self, d: int) -> float:
-        """Smoothed acceptance rate at depth d (1-based)."""
+        """Smoothed acceptance rate at depth d (1-based).
+
+        The prior of depth d is depth d-1's estimate (acceptance changes slowly with depth), so depths
+        not tried yet look as good as the deepest one measured and get explored.
+        """
+        prior = self.prior_alpha if d == 1 else self.alpha(d - 1)
         h = self.hits[d - 1] if d <= len(self.hits) else 0.0
         n = self.tries[d - 1] if d <= len(self.tries) else 0.0
-        return (h + self.prior_alpha * self.prior_weight) / (n + self.prior_weight)
+        return (h + prior * self.prior_weight) / (n + self.prior_weight)
 
     def expected_rate(self, k: int) -> float:
         """Predicted tokens per second when drafting to depth k (k = 0: plain decoding)."""

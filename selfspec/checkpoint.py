@@ -288,4 +288,17 @@ def heads_info(folder: str | Path) -> dict[str, Any]:
         "base_parameters": base_params,
         "base_mb_bf16": round(base_params * 2 / 2**20, 1) if base_params else None,
         "heads_to_base_ratio": round(params / base_params, 5) if base_params else None,
+        **_resident(meta, params, base_params),
     }
+
+
+def _resident(meta: dict[str, Any], params: int, base_params: int | None) -> dict[str, Any]:
+    """Parameters resident while drafting: the heads plus EAGLE's gathered LM-head rows of a reduced vocabulary."""
+    copied = 0
+    vocab, hidden = meta["base"].get("vocab_size"), meta["base"].get("hidden_size")
+    draft_vocab = meta["config"].get("draft_vocab_size") if meta["family"] == "eagle" else None
+    if draft_vocab and vocab and hidden and draft_vocab < vocab:
+        copied = draft_vocab * hidden
+    resident = params + copied
+    return {"resident_parameters": resident, "resident_mb_bf16": round(resident * 2 / 2**20, 2),
+            "resident_to_base_ratio": round(resident / base_params, 5) if base_params else None}

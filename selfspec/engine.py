@@ -33,7 +33,7 @@ class DecodeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's generation config
     stop_strings: tuple[str, ...] = ()
-    max_depth: int = 6  # deepest draft
+    max_depth: int = 10  # deepest draft (the adaptive controller picks up to this)
     max_nodes: int = 16  # largest tree, root included
     adaptive: bool = True  # False: always draft max_depth
     seed: int | None = None
