@@ -1,0 +1,109 @@
+"""Self-distillation data: the target regenerates the assistant replies, so heads learn its own distribution.
+
+    python training/generate_data.py --model smollm2-135m-instruct --data sharegpt \
+        --max-examples 2000 --max-new-tokens 256 --out runs/data/smollm2-sharegpt.jsonl
+    accelerate launch training/train_heads.py --data runs/data/smollm2-sharegpt.jsonl ...
+
+Takes each conversation's first user turn (and system message), generates the reply with the
+target in batches (greedy by default), and appends ``{"id", "category", "messages"}`` lines. A
+rerun skips the ids already written, so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from selfspec.data import apply_chat_template, load_chat_dataset
+from selfspec.errors import SelfspecError
+from selfspec.zoo import load_model
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """The leading system message (if any) and the first user turn."""
+    head = [m for m in messages[:1] if m["role"] == "system"]
+    user = next(m for m in messages if m["role"] == "user")
+    return head + [user]
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids already written by an earlier (maybe interrupted) run; a torn last line is dropped."""
+    if not path.exists():
+        return set()
+    ids = set()
+    for line in path.read_text().splitlines():
+        try:
+            ids.add(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return ids
+
+
+@torch.no_grad()
+def generate_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[str]:
+    """Left-padded batched generation; returns the decoded replies."""
+    width = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, **sampling)
+    return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
+
+
+def main() -> int:
+    """Generate (or resume generating) the self-distillation file."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--data", default="sharegpt", help="sharegpt | humaneval | a .json/.jsonl file | hub id")
+    p.add_argument("--split", default="train", help="train | heldout | all")
+    p.add_argument("--max-examples", type=int, default=1000)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (what greedy decoding will draft)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    try:
+        model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        ds = load_chat_dataset(args.data, split=args.split, limit=args.max_examples)
+    except SelfspecError as exc:
+        print(f"generate_data: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    seen = done_ids(out)
+    todo = []
+    for ex in ds:
+        if ex["id"] in seen:
+            continue
+        msgs = prompt_messages(ex["messages"])
+        ids = apply_chat_template(tok, msgs)
+        if len(ids) <= args.max_prompt_tokens:
+            todo.append((ex, msgs, ids))
+    todo.sort(key=lambda t: len(t[2]))  # similar lengths per batch: less padding
+    with out.open("a") as f, tqdm(total=len(todo), desc="self-distill", unit="conv") as bar:
+        for i in range(0, len(todo), args.batch_size):
+            chunk = todo[i:i + args.batch_size]
+            replies = generate_batch(model, tok, [c[2] for c in chunk], args.max_new_tokens, args.temperature)
+            for (ex, msgs, _), reply in zip(chunk, replies):
+                if reply:
+                    row = {"id": ex["id"], "category": ex["category"],
+                           "messages": msgs + [{"role": "assistant", "content": reply}]}
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            bar.update(len(chunk))
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
