@@ -49,26 +49,22 @@ def _normalise(v: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 def reject_among_children(
     p: torch.Tensor, children: list[int], tokens: list[int], q: torch.Tensor | None, gen: torch.Generator | None
 ) -> tuple[int | None, torch.Tensor]:
-    """Recursive rejection sampling at one node.
+    """Recursive rejection sampling at one node (``p``, ``q``: 1-D float tensors on the CPU).
 
     Returns (the accepted child, or None; the residual distribution to sample from if None).
     """
     q_left = None if q is None else q.clone()
+    p = p.clone()
     for child in children:
         x = tokens[child]
-        if q_left is None:  # deterministic proposal: a point mass on x
-            q_x = 1.0
-            q_draw = torch.zeros_like(p)
-            q_draw[x] = 1.0
-        else:
-            q_x = float(q_left[x])
-            q_draw = q_left
-        p_x = float(p[x])
-        if q_x > 0 and torch.rand((), generator=gen).item() * q_x < p_x:
+        q_x = 1.0 if q_left is None else float(q_left[x])  # no q: a point mass on x
+        if q_x > 0 and torch.rand((), generator=gen).item() * q_x < float(p[x]):
             return child, p
-        p = _normalise(torch.clamp(p - q_draw, min=0.0), p)
-        if q_left is not None:
-            q_left = q_left.clone()
+        if q_left is None:  # max(p - onehot(x), 0) is p without x
+            p[x] = 0.0
+            p = _normalise(p, p)
+        else:
+            p = _normalise(torch.clamp(p - q_left, min=0.0), p)
             q_left[x] = 0.0
             q_left = _normalise(q_left, q_left)
     return None, p
@@ -76,14 +72,16 @@ def reject_among_children(
 
 def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, gen: torch.Generator | None = None
                     ) -> tuple[list[int], int]:
-    """Lossless sampling walk. ``target_probs`` is (N, V): the target's distribution after each node."""
+    """Lossless sampling walk. ``target_probs`` is (N, V): the target's distribution after each node.
+
+    Only the rows on the walked path leave the device.
+    """
     tokens = tree.tokens.tolist()
-    probs = target_probs.float().cpu()
-    q_all = None if tree.draft_probs is None else tree.draft_probs.float().cpu()
     path, node = [], 0
     while True:
-        q = None if q_all is None else q_all[node]
-        child, residual = reject_among_children(probs[node], tree.children[node], tokens, q, gen)
+        p = target_probs[node].float().cpu()
+        q = None if tree.draft_probs is None else tree.draft_probs[node].float().cpu()
+        child, residual = reject_among_children(p, tree.children[node], tokens, q, gen)
         if child is None:
             return path, sample(residual, gen)
         path.append(child)

@@ -38,16 +38,19 @@ class AdaptiveDepth:
     backoff: int = 4
     plain_left: int = 0
 
-    def alpha(self, d: int) -> float:
-        """Smoothed acceptance rate at depth d (1-based).
+    def alphas(self, k: int) -> list[float]:
+        """Smoothed acceptance rates at depths 1..k.
 
         The prior of depth d is depth d-1's estimate (acceptance changes slowly with depth), so depths
         not tried yet look as good as the deepest one measured and get explored.
         """
-        prior = self.prior_alpha if d == 1 else self.alpha(d - 1)
-        h = self.hits[d - 1] if d <= len(self.hits) else 0.0
-        n = self.tries[d - 1] if d <= len(self.tries) else 0.0
-        return (h + prior * self.prior_weight) / (n + self.prior_weight)
+        out, prior = [], self.prior_alpha
+        for d in range(k):
+            h = self.hits[d] if d < len(self.hits) else 0.0
+            n = self.tries[d] if d < len(self.tries) else 0.0
+            prior = (h + prior * self.prior_weight) / (n + self.prior_weight)
+            out.append(prior)
+        return out
 
     def expected_rate(self, k: int) -> float:
         """Predicted tokens per second when drafting to depth k (k = 0: plain decoding)."""
@@ -55,8 +58,8 @@ class AdaptiveDepth:
         if k == 0:
             return 1.0 / t1
         gain, run = 1.0, 1.0
-        for d in range(1, k + 1):
-            run *= self.alpha(d)
+        for a in self.alphas(k):
+            run *= a
             gain += run
         nodes = 1 + self.nodes_per_depth * k
         cost = t1 * (1 + self.slope * (nodes - 1)) + (self.draft_per_depth or 0.0) * k
@@ -64,7 +67,7 @@ class AdaptiveDepth:
 
     def choose(self) -> int:
         """Depth to draft next step; 0 means a plain step."""
-        if not self.enabled:
+        if not self.enabled or self.max_depth == 0:
             return self.max_depth
         if self.t1 is None:
             return 0

@@ -271,6 +271,8 @@ def heads_info(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     meta = read_heads_json(folder)
     base = meta["base"]
+    if not (folder / WEIGHTS_FILE).is_file():
+        raise SelfspecError(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}: an incomplete heads checkpoint")
     params, nbytes = _tensor_sizes(folder / WEIGHTS_FILE)
     config = _local_base_config(folder, base.get("name_or_path"))
     base_params = count_parameters(config) if config is not None else base.get("parameters")

@@ -56,7 +56,10 @@ def build_drafter(args: argparse.Namespace, model, tokenizer):
         return PromptLookupDrafter()
     if not args.draft_model:
         raise SelfspecError("--drafter draft-model needs --draft-model NAME (e.g. qwen2.5-coder-0.5b-instruct)")
-    draft, _ = load_model(args.draft_model, dtype=_dtype(args.dtype), device=args.device)
+    draft, draft_tok = load_model(args.draft_model, dtype=_dtype(args.dtype), device=args.device)
+    if draft_tok.get_vocab() != tokenizer.get_vocab():
+        raise SelfspecError(f"--draft-model {args.draft_model} has a different tokenizer from --model {args.model}: "
+                            "a separate draft model must share the target's tokenizer")
     return DraftModelDrafter(draft, target_vocab_size=model.get_output_embeddings().out_features)
 
 
@@ -144,7 +147,7 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-adaptive", action="store_true", help="always draft --max-depth")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
 

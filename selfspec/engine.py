@@ -8,6 +8,7 @@ with no drafter: the honest baseline.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from .acceptance import accept_greedy, accept_sampling
 from .adaptive import AdaptiveDepth
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .errors import SelfspecError
-from .kv_cache import keep_entries, new_cache
+from .kv_cache import cache_length, keep_entries, new_cache
 from .sampling import SamplingConfig, logits_to_probs
 from .stats import GenerationStats
 from .tree import DraftTree, chain
@@ -43,6 +44,8 @@ class DecodeConfig:
             raise SelfspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_depth < 0 or self.max_nodes < 1:
             raise SelfspecError("max_depth must be >= 0 and max_nodes >= 1")
+        if any(not s for s in self.stop_strings):
+            raise SelfspecError("stop strings must be non-empty")
 
 
 @dataclass
@@ -83,7 +86,7 @@ def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states: bool) -
         ids = prompt[:-1].to(device)[None]
         out = forward_with_cache(model, ids, cache, position_ids=torch.arange(ids.shape[1], device=device)[None],
                                  hidden_states=hidden_states, logits_to_keep=1)
-        hs = tuple(h[0] for h in out.hidden_states) if hidden_states else None
+        hs = (out.hidden_states[-1][0],) if hidden_states else None  # drafters use the last layer only
     return DecodeState(prompt.clone(), cache, prompt.numel()), hs
 
 
@@ -172,14 +175,14 @@ class SpeculativeEngine:
         """Run the loop, yielding the tokens each step commits; fills ``stats`` as it goes."""
         start = time.perf_counter()
         ids = self._prompt_tensor(prompt)
-        gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else int(torch.seed() % 2**31))
+        gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
         need_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         state, hs = prefill(self.model, ids, need_hidden)
         ctx = DraftContext(state.tokens, state.cache_len, hs, state.cache)
         dstate = self.drafter.start(ctx) if self.drafter is not None else None  # the drafter's own prefill
         _sync(self.device)
         stats.prefill_s = time.perf_counter() - start
-        ctrl = AdaptiveDepth(cfg.max_depth, enabled=cfg.adaptive)
+        ctrl = AdaptiveDepth(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive)
         eos = eos_ids(self.model, cfg)
         generated: list[int] = []
         try:
@@ -194,7 +197,6 @@ class SpeculativeEngine:
                 _sync(self.device)
                 t2 = time.perf_counter()
                 path, bonus = accept(tree, ver, cfg.sampling, gen)
-                cached_before = state.cache_len
                 state, new = commit(state, tree, path, bonus)
                 new, finished = truncate_at_stop(new, room, eos)
                 cut = stop_string_cut(self.tokenizer, generated + new, len(generated), cfg.stop_strings)
@@ -212,11 +214,13 @@ class SpeculativeEngine:
                 if finished:
                     return
                 hidden = None
-                if need_hidden:  # the target's states at the positions just cached: root + accepted path
+                if need_hidden:  # the target's last-layer states at the positions just cached: root + path
                     rows = torch.tensor([0, *path], device=ver.logits.device)
-                    hidden = tuple(h.index_select(0, rows) for h in ver.hidden_states)
+                    hidden = (ver.hidden_states[-1].index_select(0, rows),)
                 ctx = DraftContext(state.tokens, state.cache_len, hidden, state.cache)
-                assert state.cache_len == cached_before + 1 + len(path)
+                if cache_length(state.cache) != state.cache_len:  # compaction bug guard: cheap, never expected
+                    raise RuntimeError(f"target cache holds {cache_length(state.cache)} positions, "
+                                       f"expected {state.cache_len}")
                 dstate = self.drafter.observe(dstate, ctx) if self.drafter is not None else None
         finally:
             _sync(self.device)
@@ -254,3 +258,6 @@ class SpeculativeEngine:
             if len(text) > len(shown):
                 yield text[len(shown):]
                 shown = text
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        if len(text) > len(shown):  # whatever was held back waiting for the rest of a character
+            yield text[len(shown):]

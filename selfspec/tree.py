@@ -93,6 +93,15 @@ def tree_attention_mask(tree: DraftTree, cache_len: int, device: torch.device) -
     return torch.cat([past, own], dim=1)[None, None].to(device)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the additive float mask attention kernels expect (0 / dtype min).
+
+    transformers passes a 4-D mask through unchanged; eager attention *adds* it to the scores, so a
+    boolean one would mask nothing there.
+    """
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def tree_position_ids(tree: DraftTree, cache_len: int, device: torch.device) -> torch.Tensor:
     """Position of each node: cache length + depth. Shape (1, N)."""
     return (torch.tensor(tree.depth, dtype=torch.long) + cache_len)[None].to(device)

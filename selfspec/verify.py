@@ -8,7 +8,8 @@ from functools import lru_cache
 
 import torch
 
-from .tree import DraftTree, tree_attention_mask, tree_position_ids
+from .errors import SelfspecError
+from .tree import DraftTree, additive_mask, tree_attention_mask, tree_position_ids
 
 
 @lru_cache(maxsize=None)
@@ -23,6 +24,17 @@ def forward_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, cache, *
     kwargs = {cache_kwarg(type(model)): cache}
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                  use_cache=True, output_hidden_states=hidden_states, logits_to_keep=logits_to_keep, **kwargs)
+
+
+TREE_ATTENTION = ("eager", "sdpa")  # kernels that apply an arbitrary 4-D mask
+
+
+def check_tree_attention(model: torch.nn.Module) -> None:
+    """Branching trees need an attention kernel that honours a 4-D mask; say so clearly if it does not."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if impl not in TREE_ATTENTION:
+        raise SelfspecError(f"tree drafts need attention that applies a 4-D mask ({' or '.join(TREE_ATTENTION)}); "
+                            f"this model uses '{impl}': load it with attn_implementation='sdpa'")
 
 
 @dataclass
@@ -47,8 +59,9 @@ def verify_tree(model: torch.nn.Module, cache, tree: DraftTree, cache_len: int, 
         pos = torch.arange(cache_len, cache_len + tree.size, device=device)[None]
         mask = None
     else:
+        check_tree_attention(model)
         pos = tree_position_ids(tree, cache_len, device)
-        mask = tree_attention_mask(tree, cache_len, device)
+        mask = additive_mask(tree_attention_mask(tree, cache_len, device), next(model.parameters()).dtype)
     out = forward_with_cache(model, ids, cache, position_ids=pos, attention_mask=mask, hidden_states=hidden_states)
     hs = tuple(h[0] for h in out.hidden_states) if hidden_states else None
     return Verification(out.logits[0], hs)

@@ -197,16 +197,31 @@ def resolve(name_or_path: str) -> str:
     return name_or_path
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """A usable torch device, or a one-line error (unknown name, CUDA absent, index out of range)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise SelfspecError(f"unknown device '{device}' (use cpu, cuda or cuda:N)") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SelfspecError(f"device '{device}' asked for, but this machine has no usable CUDA GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SelfspecError(f"device '{device}' does not exist: {torch.cuda.device_count()} GPU(s) visible")
+    return dev
+
+
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load a causal LM and its tokenizer from a zoo name, a local folder or a hub id (eval mode)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = check_device(device)
     where = resolve(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
-    except OSError as exc:
-        raise SelfspecError(f"could not load model '{name_or_path}': {str(exc).splitlines()[0]}") from exc
+    except (OSError, ValueError) as exc:  # missing files / not a causal LM
+        raise SelfspecError(f"could not load model '{name_or_path}': {str(exc).strip().splitlines()[0]}") from exc
     model.to(device).eval()
     model.requires_grad_(False)
     return model, tokenizer

@@ -112,3 +112,31 @@ def test_adaptive_engine_with_useless_drafts_is_lossless() -> None:
     useless = OracleTreeDrafter([0] * 200, vocab=64, seed=0, width=1, corrupt=1.0)  # always random
     got = SpeculativeEngine(model, useless).generate(prompt, DecodeConfig(max_new_tokens=60))
     assert got.tokens == hf_greedy(model, prompt, 60)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tree_drafts_are_lossless_for_each_attention_kernel(attn: str) -> None:
+    model = tiny_model(7)
+    model.config._attn_implementation = attn  # eager adds the 4-D mask to the scores: it must be additive
+    prompt = _prompt(7, 9)
+    expected = hf_greedy(model, prompt, 32)
+    drafter = OracleTreeDrafter(prompt + expected, vocab=64, seed=7, width=4, corrupt=0.5)
+    got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=32, max_depth=4,
+                                                                          max_nodes=14, adaptive=False))
+    assert got.tokens == expected
+
+
+def test_max_depth_zero_is_plain_decoding() -> None:
+    model = tiny_model(1)
+    prompt = _prompt(1, 6)
+    got = SpeculativeEngine(model, PromptLookupDrafter()).generate(prompt, DecodeConfig(max_new_tokens=10, max_depth=0))
+    assert got.tokens == hf_greedy(model, prompt, 10) and got.stats.speculative_steps == 0
+
+
+def test_bad_requests_are_one_line_errors() -> None:
+    from selfspec.errors import SelfspecError
+
+    with pytest.raises(SelfspecError, match="stop strings"):
+        DecodeConfig(stop_strings=("",))
+    with pytest.raises(SelfspecError, match="token ids must lie"):
+        SpeculativeEngine(tiny_model(0)).generate([5, 999])

@@ -26,7 +26,7 @@ from ..tree import DraftTree
 class DraftContext:
     """What was committed so far. The target's KV cache holds ``tokens[:-1]``; ``tokens[-1]`` is the root.
 
-    ``hidden_states`` (per target layer, embeddings first, each (n, H)) cover the positions the target
+    ``hidden_states`` (a 1-tuple: the target's final normed layer, (n, H)) cover the positions the target
     cached since the last call, ``cache_len - n .. cache_len - 1``; given only to drafters that ask.
     """
 

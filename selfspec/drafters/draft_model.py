@@ -79,25 +79,28 @@ class DraftModelDrafter(Drafter):
             return chain(tokens[-1], []), state
         keep = min(common_prefix(state.processed, tokens), len(tokens) - 1)  # always re-feed the root
         truncate(state.cache, keep)
-        feed = tokens[keep:]
-        drafted: list[int] = []
+        ids = torch.tensor([tokens[keep:]], device=self.device)
+        drafted: list[torch.Tensor] = []  # (1,) tensors on the device: no host sync per greedy token
         q_rows: list[torch.Tensor] = []
         pos = keep
         for _ in range(depth):
-            ids = torch.tensor([feed], device=self.device)
-            positions = torch.arange(pos, pos + len(feed), device=self.device)[None]
+            positions = torch.arange(pos, pos + ids.shape[1], device=self.device)[None]
             logits = forward_with_cache(self.model, ids, state.cache, position_ids=positions, logits_to_keep=1).logits[0, -1]
-            pos += len(feed)
-            probs = self._next_probs(logits, req)
-            tok = int(probs.argmax()) if req.sampling.greedy else int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
+            pos += ids.shape[1]
+            if req.sampling.greedy:
+                tok = logits[: self.target_vocab].argmax()[None]
+            else:
+                probs = self._next_probs(logits, req).cpu()
+                tok = torch.multinomial(probs, 1, generator=req.generator).to(self.device)
+                q_rows.append(probs)
             drafted.append(tok)
-            q_rows.append(probs.cpu())
-            feed = [tok]
-        state.processed = tokens + drafted[:-1]
+            ids = tok[None]
+        out = torch.cat(drafted).tolist()
+        state.processed = tokens + out[:-1]
         draft_probs = None
-        if not req.sampling.greedy:  # row i: the distribution node i's child was sampled from
+        if q_rows:  # row i: the distribution node i's child was sampled from
             draft_probs = torch.stack(q_rows + [torch.zeros_like(q_rows[0])])
-        return chain(tokens[-1], drafted, draft_probs), state
+        return chain(tokens[-1], out, draft_probs), state
 
     def extra_parameters(self) -> int:
         """The whole draft model stays resident."""

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..kv_cache import truncate
-from ..tree import DraftTree, chain
+from ..tree import DraftTree, additive_mask, chain
 from .common import lm_head_rows, trained_parameter_count
 from .eagle import EagleHead
 
@@ -169,7 +169,8 @@ class EagleDrafter(Drafter):
                 break
             expand = sorted(frontier, key=lambda i: -cand.scores[i])[:k]
             cache_len = state.cached + len(slot)
-            mask = expansion_mask(cand, expand, slot, state.cached, cache_len, root_feat.device)
+            mask = additive_mask(expansion_mask(cand, expand, slot, state.cached, cache_len, root_feat.device),
+                                 root_feat.dtype)
             feats = torch.stack([out_feat[cand.parents[i]] for i in expand])
             outs = self._run(feats, [cand.tokens[i] for i in expand], [state.cached + d - 1] * len(expand),
                              state.cache, mask)

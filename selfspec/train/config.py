@@ -84,15 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config_file(path: str) -> dict[str, Any]:
     """Fields from a YAML (needs PyYAML) or JSON file."""
-    text = Path(path).read_text()
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml
-        except ImportError as exc:
-            raise SelfspecError("a YAML config needs PyYAML (pip install pyyaml); or use JSON") from exc
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SelfspecError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        if path.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError as exc:
+                raise SelfspecError("a YAML config needs PyYAML (pip install pyyaml); or use JSON") from exc
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise SelfspecError(f"{path} is not valid YAML: {exc}") from exc
+        else:
+            data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SelfspecError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SelfspecError(f"{path} must hold a mapping of TrainConfig fields")
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:

@@ -54,17 +54,22 @@ class FeatureCache(Dataset):
 
 def build_feature_cache(feature_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
                         examples: list[dict[str, torch.Tensor]], keys: tuple[str, ...], folder: Path,
-                        device: torch.device | str = "cpu") -> FeatureCache:
+                        device: torch.device | str = "cpu", signature: dict | None = None) -> FeatureCache:
     """Run ``feature_fn`` ((1, T) ids -> {key: (1, T, H)}) over ``examples`` once and store it all.
 
-    A complete cache of the same size is reused as it is; shards already written are kept.
+    ``signature`` (base model, family, data settings) is stored with the cache: a complete cache with
+    the same signature is reused, shards of an interrupted pass with it are kept, anything else is rebuilt.
     """
     folder = Path(folder)
+    signature = {**(signature or {}), "count": len(examples), "keys": list(keys)}
+    sig_file = folder / "signature.json"
+    if sig_file.is_file() and json.loads(sig_file.read_text()) != signature:
+        for stale in folder.glob("*"):  # made for another model, family or data: start over
+            stale.unlink()
     if (folder / "index.json").is_file():
-        cache = FeatureCache(folder)
-        if cache.count == len(examples):
-            return cache
+        return FeatureCache(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    sig_file.write_text(json.dumps(signature))
     shards = (len(examples) + SHARD - 1) // SHARD
     for s in tqdm(range(shards), desc="cache target features", unit="shard"):
         path = folder / f"shard-{s:05d}.safetensors"

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import save_heads
 from ..data import load_chat_dataset
+from ..errors import SelfspecError
 from ..heads import init_heads
 from ..zoo import load_model
 from .config import TrainConfig, config_dict
@@ -53,12 +54,16 @@ def set_draft_vocab(heads, examples: list[dict[str, torch.Tensor]], vocab: int) 
     heads.set_draft_vocab(counts)
 
 
-def evaluate(cfg: TrainConfig, heads, target, loader) -> list[float]:
-    """Held-out top-1 accuracy per draft depth."""
+EVAL_DEPTH = 4
+
+
+def evaluate(cfg: TrainConfig, heads, target, loader, device: torch.device) -> list[float]:
+    """Held-out top-1 accuracy per draft depth (1 .. EVAL_DEPTH)."""
     heads.eval()
-    correct, total = [0] * 4, [0] * 4
+    correct, total = [0] * EVAL_DEPTH, [0] * EVAL_DEPTH
     for batch in loader:
-        c, t = depth_accuracy(cfg.family, heads, target, with_features(batch, cfg, target, heads))
+        batch = {k: v.to(device) for k, v in batch.items()}
+        c, t = depth_accuracy(cfg.family, heads, target, with_features(batch, cfg, target, heads), EVAL_DEPTH)
         correct = [a + b for a, b in zip(correct, c)]
         total = [a + b for a, b in zip(total, t)]
     heads.train()
@@ -66,9 +71,32 @@ def evaluate(cfg: TrainConfig, heads, target, loader) -> list[float]:
 
 
 def latest_checkpoint(out: Path) -> Path | None:
-    """The newest ``step-N`` folder under ``out/checkpoints``."""
-    steps = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    return steps[-1] if steps else None
+    """The newest complete ``step-N`` folder under ``out/checkpoints`` (a killed save leaves only ``.tmp``)."""
+    steps = [p for p in (out / "checkpoints").glob("step-*") if p.name.split("-")[1].isdigit()]
+    return max(steps, key=lambda p: int(p.name.split("-")[1])) if steps else None
+
+
+def save_checkpoint(accelerator, out: Path, step: int) -> None:
+    """accelerate state (model, optimizer, scheduler, RNG) written to a temporary folder, then renamed."""
+    final = out / "checkpoints" / f"step-{step}"
+    tmp = final.with_name(final.name + ".tmp")
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        tmp.rename(final)
+
+
+def check_resumable(cfg: TrainConfig, out: Path) -> None:
+    """Resuming is exact only with the settings the run started with."""
+    saved = out / "train_config.json"
+    if not saved.is_file():
+        return
+    before = json.loads(saved.read_text())
+    now = config_dict(cfg)
+    differ = sorted(k for k in now if k not in ("resume", "max_steps") and before.get(k) != now[k])
+    if differ:
+        raise SelfspecError(f"cannot resume {out}: settings changed since it started ({', '.join(differ)}); "
+                            "use the original settings or a new --output-dir")
 
 
 def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=None) -> Path:
@@ -95,21 +123,30 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     keys = feature_keys(cfg.family)
     if cfg.cache_features:
         with accelerator.main_process_first():
+            signature = {"base": cfg.base_model, "family": cfg.family, "head_args": cfg.head_args, "data": cfg.data,
+                         "max_examples": cfg.max_examples, "max_length": cfg.max_length,
+                         "heldout_fraction": cfg.heldout_fraction}
             train_set = build_feature_cache(lambda ids: target_features(cfg.family, target, heads, ids),
-                                            train_ex, keys, out / "features", accelerator.device)
+                                            train_ex, keys, out / "features", accelerator.device, signature)
     else:
         train_set = TokenDataset(train_ex)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=pad_batch,
                         generator=torch.Generator().manual_seed(cfg.seed))
     eval_loader = DataLoader(TokenDataset(eval_ex), batch_size=cfg.batch_size, collate_fn=pad_batch)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    steps_per_epoch = math.ceil(len(loader) / cfg.gradient_accumulation_steps)
+    # per process: accelerate gives each of N processes 1/N of the batches
+    batches_per_epoch = math.ceil(len(train_set) / (cfg.batch_size * accelerator.num_processes))
+    steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     total_steps = steps_per_epoch * cfg.epochs
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, total_steps)
+    # the prepared scheduler steps once per process per optimizer step (accelerate's convention)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps * accelerator.num_processes,
+                                                total_steps * accelerator.num_processes)
     heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
 
     step = 0
     ckpt = latest_checkpoint(out) if cfg.resume else None
+    if cfg.resume:
+        check_resumable(cfg, out)
     if ckpt is not None:
         accelerator.load_state(str(ckpt))
         step = int(ckpt.name.split("-")[1])
@@ -148,11 +185,11 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
                                         "lr": scheduler.get_last_lr()[0],
                                         "elapsed_s": time.perf_counter() - start}) + "\n")
             if step % cfg.save_every == 0 or step == stop_at:
-                accelerator.save_state(str(out / "checkpoints" / f"step-{step}"))
+                save_checkpoint(accelerator, out, step)
             if step >= stop_at:
                 break
         if step % steps_per_epoch == 0 or step >= total_steps:  # a whole epoch is done
-            acc = evaluate(cfg, accelerator.unwrap_model(heads), target, eval_loader)
+            acc = evaluate(cfg, accelerator.unwrap_model(heads), target, eval_loader, accelerator.device)
             accelerator.print(f"epoch {epoch}: held-out top-1 by depth {[round(a, 3) for a in acc]}")
             if accelerator.is_main_process:
                 with log_path.open("a") as f:

@@ -20,6 +20,11 @@ from ..heads.common import lm_head_rows
 from ..heads.early_exit import truncated_decoder
 
 
+def inner(module: nn.Module) -> nn.Module:
+    """The module itself, under a DDP/FSDP wrapper if there is one (for reading attributes)."""
+    return getattr(module, "module", module)
+
+
 def feature_keys(family: str) -> tuple[str, ...]:
     """The target states a family trains on (what the feature cache stores)."""
     return ("f", "exit") if family == "early-exit" else ("f",)
@@ -32,7 +37,7 @@ def target_features(family: str, target: nn.Module, heads: nn.Module, input_ids:
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
     feats = {"f": out.hidden_states[-1]}
     if family == "early-exit":
-        cut = truncated_decoder(target, heads.config.exit_layer)
+        cut = truncated_decoder(target, inner(heads).config.exit_layer)
         feats["exit"] = cut(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return feats
 
@@ -77,7 +82,7 @@ def eagle_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor
     pred = eagle_step(head, target, f[:, :-1], x[:, 1:], 0, am[:, 1:])  # pred[:, t] ~ f[:, t + 1]
     keep = m[:, 1:]
     reg = F.smooth_l1_loss(pred[keep].float(), f[:, 1:][keep].float())
-    rows = head.d2t
+    rows = inner(head).d2t
     draft_logp = F.log_softmax(_lm(target, pred[keep], rows).float(), -1)
     with torch.no_grad():
         teacher = F.softmax(_lm(target, f[:, 1:][keep], rows).float(), -1)
@@ -139,7 +144,8 @@ def depth_accuracy(family: str, heads: nn.Module, target: nn.Module, batch: dict
             if n == 0:
                 break
             pred = eagle_step(heads, target, feats, x[:, d:d + n], d - 1, am[:, d:d + n])
-            score(d, heads.d2t[_lm(target, pred, heads.d2t).argmax(-1)], d + 1)
+            d2t = inner(heads).d2t
+            score(d, d2t[_lm(target, pred, d2t).argmax(-1)], d + 1)
             feats = pred[:, :-1]
     else:
         score(1, _lm(target, heads(batch["exit"])).argmax(-1), 1)
