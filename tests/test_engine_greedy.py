@@ -54,7 +54,7 @@ def test_chain_from_draft_model_is_lossless(seed: int) -> None:
 def test_draft_model_that_is_the_target_accepts_everything() -> None:
     target = tiny_model(3)
     prompt = _prompt(3, 10)
-    got = SpeculativeEngine(target, DraftModelDrafter(target)).generate(
+    got = SpeculativeEngine(target, DraftModelDrafter(target, confidence_stop=0.0)).generate(
         prompt, DecodeConfig(max_new_tokens=30, max_depth=4, adaptive=False))
     assert got.tokens == hf_greedy(target, prompt, 30)
     assert got.stats.acceptance_by_depth == [1.0] * 4
@@ -140,3 +140,13 @@ def test_bad_requests_are_one_line_errors() -> None:
         DecodeConfig(stop_strings=("",))
     with pytest.raises(SelfspecError, match="token ids must lie"):
         SpeculativeEngine(tiny_model(0)).generate([5, 999])
+
+
+def test_confidence_stop_shortens_drafts_and_stays_lossless() -> None:
+    target, draft = tiny_model(8, layers=3), tiny_model(108, layers=1)
+    prompt = _prompt(8, 10)
+    cfg = DecodeConfig(max_new_tokens=40, max_depth=6, adaptive=False)
+    full = SpeculativeEngine(target, DraftModelDrafter(draft, confidence_stop=0.0)).generate(prompt, cfg)
+    short = SpeculativeEngine(target, DraftModelDrafter(draft, confidence_stop=0.9)).generate(prompt, cfg)
+    assert full.tokens == short.tokens == hf_greedy(target, prompt, 40)
+    assert sum(short.stats.drafted_at_depth) < sum(full.stats.drafted_at_depth)

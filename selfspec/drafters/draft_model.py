@@ -41,7 +41,10 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, draft_model: torch.nn.Module, target_vocab_size: int | None = None) -> None:
+    def __init__(self, draft_model: torch.nn.Module, target_vocab_size: int | None = None,
+                 confidence_stop: float = 0.4) -> None:
+        """``confidence_stop``: end the chain at a token the draft model itself gives less than this
+        probability (it depends on the draft alone, so acceptance stays exact); 0 drafts the full depth."""
         self.model = draft_model.eval()
         self.model.requires_grad_(False)
         self.draft_vocab = draft_model.get_output_embeddings().out_features
@@ -51,6 +54,7 @@ class DraftModelDrafter(Drafter):
                 f"draft model vocabulary ({self.draft_vocab}) does not match the target's ({self.target_vocab}): "
                 "a separate draft model must share the target's tokenizer")
         self.device = next(draft_model.parameters()).device
+        self.confidence_stop = confidence_stop
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> DraftModelState:
@@ -83,10 +87,15 @@ class DraftModelDrafter(Drafter):
         drafted: list[torch.Tensor] = []  # (1,) tensors on the device: no host sync per greedy token
         q_rows: list[torch.Tensor] = []
         pos = keep
+        fed_all = False  # True when the loop stopped early, after feeding its last drafted token
         for _ in range(depth):
             positions = torch.arange(pos, pos + ids.shape[1], device=self.device)[None]
             logits = forward_with_cache(self.model, ids, state.cache, position_ids=positions, logits_to_keep=1).logits[0, -1]
             pos += ids.shape[1]
+            if drafted and self.confidence_stop > 0:  # a likely rejection: stop drafting here
+                if float(logits[: self.target_vocab].float().softmax(-1).max()) < self.confidence_stop:
+                    fed_all = True
+                    break
             if req.sampling.greedy:
                 tok = logits[: self.target_vocab].argmax()[None]
             else:
@@ -96,7 +105,7 @@ class DraftModelDrafter(Drafter):
             drafted.append(tok)
             ids = tok[None]
         out = torch.cat(drafted).tolist()
-        state.processed = tokens + out[:-1]
+        state.processed = tokens + (out if fed_all else out[:-1])
         draft_probs = None
         if q_rows:  # row i: the distribution node i's child was sampled from
             draft_probs = torch.stack(q_rows + [torch.zeros_like(q_rows[0])])
