@@ -187,3 +187,11 @@ def test_heads_info(tmp_path: Path) -> None:
         assert info["heads_parameters"] == 32 * 32 and info["heads_bytes"] == 2 * 32 * 32
         assert info["base_parameters"] == base_params
         assert info["heads_to_base_ratio"] == pytest.approx(1024 / base_params, rel=1e-3)
+
+
+def test_save_pretrained_method_matches_save_heads(tmp_path: Path) -> None:
+    model = tiny_model(0)
+    heads = init_heads("medusa", model, num_heads=2)
+    heads.save_pretrained(tmp_path / "a", model)
+    loaded, _ = load_heads(model, tmp_path / "a")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in heads.state_dict().items())

@@ -26,11 +26,11 @@ from ..kv_cache import truncate
 from ..sampling import logits_to_probs
 from ..tree import DraftTree, chain
 from ..verify import cache_kwarg
-from .common import config_with_layers, text_config, trained_parameter_count
+from .common import HeadsModule, config_with_layers, text_config, trained_parameter_count
 from .config import EarlyExitConfig
 
 
-class ExitAdapter(nn.Module):
+class ExitAdapter(HeadsModule):
     """The trained part: an optional residual projection ``h + W h`` (W = 0 at init) before the LM head."""
 
     def __init__(self, config: EarlyExitConfig, target_config: PretrainedConfig) -> None:
