@@ -38,6 +38,8 @@ def pick_prompts(tokenizer, n_code: int, n_chat: int, max_prompt_tokens: int) ->
     """HumanEval (all 164, first n) and ShareGPT held-out prompts no longer than ``max_prompt_tokens``."""
     out = []
     for source, split, n in (("humaneval", "all", n_code), ("sharegpt", "heldout", n_chat)):
+        if n <= 0:
+            continue
         for ex in load_prompts(source, 200 if source == "sharegpt" else n, split=split):
             ids = apply_chat_template(tokenizer, ex["messages"])
             if len(ids) <= max_prompt_tokens:
@@ -65,14 +67,15 @@ def run_hf(model, ids: list[int], max_new: int, assistant=None) -> tuple[list[in
     return new[:cut], seconds
 
 
-def run_method(method: str, target, draft, ids: list[int], max_new: int) -> dict:
+def run_method(method: str, target, draft, ids: list[int], max_new: int, depth: int = 16, nodes: int = 16) -> dict:
     """One prompt through one method: tokens, seconds, tau, target passes."""
     if method in ("hf", "hf-assisted"):
         tokens, seconds = run_hf(target, ids, max_new, draft if method == "hf-assisted" else None)
         return {"tokens": tokens, "seconds": seconds, "tau": None, "target_forwards": None}
     drafter = {"plain": None, "draft-model": DraftModelDrafter(draft) if draft is not None else None,
                "prompt-lookup": PromptLookupDrafter()}[method]
-    res = SpeculativeEngine(target, drafter).generate(ids, DecodeConfig(max_new_tokens=max_new))
+    res = SpeculativeEngine(target, drafter).generate(ids, DecodeConfig(max_new_tokens=max_new, max_depth=depth,
+                                                                        max_nodes=nodes))
     s = res.stats
     return {"tokens": res.tokens, "seconds": s.total_s, "tau": s.mean_accepted, "target_forwards": s.target_forwards,
             "acceptance_by_depth": s.acceptance_by_depth, "draft_s": s.draft_s, "verify_s": s.verify_s}
@@ -122,6 +125,8 @@ def main() -> None:
     p.add_argument("--n-chat", type=int, default=10)
     p.add_argument("--max-prompt-tokens", type=int, default=400)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-depth", type=int, default=16, help="selfspec: deepest draft (adaptive picks up to it)")
+    p.add_argument("--max-nodes", type=int, default=16, help="selfspec: largest draft tree, root included")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.add_argument("--out", default="eval/results/engine")
@@ -150,7 +155,7 @@ def run_all(args: argparse.Namespace, methods: list[str], out: Path) -> None:
         for m in methods:
             if (pr["id"], m) in done:
                 continue
-            r = run_method(m, target, draft, pr["ids"], args.max_new_tokens)
+            r = run_method(m, target, draft, pr["ids"], args.max_new_tokens, args.max_depth, args.max_nodes)
             r.update(prompt=pr["id"], category=pr["category"], method=m, prompt_tokens=len(pr["ids"]))
             with log.open("a") as f:
                 f.write(json.dumps(r) + "\n")

@@ -142,7 +142,7 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup")
     p.add_argument("--draft-model", help="zoo name, folder or hub id of the separate draft model")
     p.add_argument("--heads", help="a selfspec heads checkpoint folder (overrides --drafter)")
-    p.add_argument("--max-depth", type=int, default=10, help="deepest draft (adaptive picks up to this)")
+    p.add_argument("--max-depth", type=int, default=16, help="deepest draft (adaptive picks up to this)")
     p.add_argument("--max-nodes", type=int, default=16, help="largest draft tree, root included")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --max-depth")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")

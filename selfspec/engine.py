@@ -34,7 +34,7 @@ class DecodeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's generation config
     stop_strings: tuple[str, ...] = ()
-    max_depth: int = 10  # deepest draft (the adaptive controller picks up to this)
+    max_depth: int = 16  # deepest draft (the adaptive controller picks up to this; chains are capped by max_nodes)
     max_nodes: int = 16  # largest tree, root included
     adaptive: bool = True  # False: always draft max_depth
     seed: int | None = None

@@ -66,13 +66,18 @@ def chain(root: int, drafted: list[int], draft_probs: torch.Tensor | None = None
     return DraftTree(tokens, list(range(-1, len(drafted))), draft_probs)
 
 
-def from_paths(root: int, paths: list[list[int]]) -> DraftTree:
-    """A deterministic tree (a trie) holding each path of drafted tokens below ``root``; shared prefixes merge."""
+def from_paths(root: int, paths: list[list[int]], max_nodes: int | None = None) -> DraftTree:
+    """A deterministic tree (a trie) holding each path of drafted tokens below ``root``; shared prefixes merge.
+
+    With ``max_nodes``, paths are added in order until the tree is full (a path may be cut short).
+    """
     tokens, parents, index = [root], [-1], {}
     for path in paths:
         parent = 0
         for tok in path:
             key = (parent, tok)
+            if key not in index and max_nodes is not None and len(tokens) >= max_nodes:
+                break
             if key not in index:
                 index[key] = len(tokens)
                 tokens.append(tok)

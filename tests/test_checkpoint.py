@@ -22,12 +22,7 @@ from selfspec.heads import init_heads
 HYPER = {"medusa": {"num_layers": 2}, "eagle": {"draft_vocab_size": 40}, "early-exit": {"exit_layer": 1}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trained(family: str, model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -18,13 +18,7 @@ from selfspec.heads.medusa import rank_tree
 from selfspec.sampling import SamplingConfig
 from selfspec.tree import DraftTree
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run 2-3x faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HYPER = {"medusa": {}, "eagle": {"draft_vocab_size": 48, "top_k": 3}, "early-exit": {"exit_layer": 1}}

@@ -20,12 +20,7 @@ from test_data import make_tokenizer
 VOCAB = 272  # the byte-level test tokenizer has 259 tokens
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

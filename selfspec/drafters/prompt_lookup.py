@@ -47,10 +47,6 @@ class PromptLookupDrafter(Drafter):
         root = int(ctx.tokens[-1])
         for ngram in range(self.max_ngram, self.min_ngram - 1, -1):
             conts = find_continuations(ctx.tokens, ngram, req.max_depth, self.candidates)
-            if conts:
-                tree = from_paths(root, conts)
-                if tree.size > req.max_nodes:  # keep the most recent continuations that fit
-                    tree = from_paths(root, conts[:1])
-                    tree = from_paths(root, [conts[0][: req.max_nodes - 1]]) if tree.size > req.max_nodes else tree
-                return tree, state
+            if conts:  # the most recent continuation first: it is the one kept whole when the tree is full
+                return from_paths(root, conts, req.max_nodes), state
         return from_paths(root, []), state
