@@ -46,9 +46,11 @@ def keep_entries(cache: DynamicCache, start: int, keep: list[int]) -> None:
     if keep == list(range(len(keep))):  # already in place: a chain prefix
         truncate(cache, start + len(keep))
         return
+    n = len(keep)
+    idx = torch.tensor(keep) + start
     for layer in cache.layers:
-        idx = torch.tensor(keep, device=layer.keys.device) + start
-        n = len(keep)
+        if idx.device != layer.keys.device:
+            idx = idx.to(layer.keys.device)
         layer.keys[..., start:start + n, :] = layer.keys.index_select(-2, idx)
         layer.values[..., start:start + n, :] = layer.values.index_select(-2, idx)
     truncate(cache, start + len(keep))

@@ -94,8 +94,8 @@ def tree_attention_mask(tree: DraftTree, cache_len: int, device: torch.device) -
         own[i, i] = True
         if p >= 0:
             own[i] |= own[p]  # parents come first, so own[p] already holds p's ancestors
-    past = torch.ones(n, cache_len, dtype=torch.bool)
-    return torch.cat([past, own], dim=1)[None, None].to(device)
+    past = torch.ones(n, cache_len, dtype=torch.bool, device=device)  # built on the device: no O(cache) copy
+    return torch.cat([past, own.to(device)], dim=1)[None, None]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

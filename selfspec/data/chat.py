@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import SelfspecError
+from ..sequence import common_prefix
 from .formats import Message
 
 FALLBACK_ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -88,15 +89,6 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     return [int(i) for i in ids]
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def _common_suffix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """How many trailing tokens ``a`` and ``b`` share, counting at most ``limit``."""
     n = 0
@@ -119,7 +111,7 @@ def _content_span(tokenizer: Any, messages: list[Message], index: int, full: lis
     swapped = list(messages)
     swapped[index] = {"role": messages[index]["role"], "content": stand_in}
     alt = apply_chat_template(tokenizer, swapped, add_generation_prompt=False)
-    start = _common_prefix_len(full, alt)
+    start = common_prefix(full, alt)
     end = len(full) - _common_suffix_len(full, alt, min(len(full), len(alt)) - start)
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
     if start < end < len(full) and full[end] in special:

@@ -7,16 +7,18 @@ This is the baseline selfspec's heads must beat on memory: the whole second mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import SelfspecError
 from ..kv_cache import new_cache, truncate
-from ..sampling import logits_to_probs
 from ..tree import DraftTree, chain
+from ..sequence import common_prefix
 from ..verify import forward_with_cache
 from .base import DraftContext, DraftRequest, Drafter
+from .chain import draft_chain
 
 
 @dataclass
@@ -25,15 +27,6 @@ class DraftModelState:
 
     cache: object
     processed: list[int]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class DraftModelDrafter(Drafter):
@@ -68,12 +61,6 @@ class DraftModelDrafter(Drafter):
             state.processed = prefix
         return state
 
-    def _next_probs(self, logits: torch.Tensor, req: DraftRequest) -> torch.Tensor:
-        probs = logits_to_probs(logits[: self.target_vocab], req.sampling)
-        if probs.numel() < self.target_vocab:
-            probs = torch.nn.functional.pad(probs, (0, self.target_vocab - probs.numel()))
-        return probs
-
     @torch.no_grad()
     def propose(self, state: DraftModelState, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, DraftModelState]:
         """A chain of ``req.max_depth`` tokens, greedy or sampled (then with its distributions)."""
@@ -83,33 +70,18 @@ class DraftModelDrafter(Drafter):
             return chain(tokens[-1], []), state
         keep = min(common_prefix(state.processed, tokens), len(tokens) - 1)  # always re-feed the root
         truncate(state.cache, keep)
-        ids = torch.tensor([tokens[keep:]], device=self.device)
-        drafted: list[torch.Tensor] = []  # (1,) tensors on the device: no host sync per greedy token
-        q_rows: list[torch.Tensor] = []
-        pos = keep
-        fed_all = False  # True when the loop stopped early, after feeding its last drafted token
-        for _ in range(depth):
+        feed = torch.tensor([tokens[keep:]], device=self.device)
+        out = draft_chain(self._step(state), feed, keep, depth, req, self.target_vocab, self.confidence_stop)
+        state.processed = tokens + (out.tokens if out.fed_last else out.tokens[:-1])
+        return chain(tokens[-1], out.tokens, out.draft_probs), state
+
+    def _step(self, state: DraftModelState) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """Feed (1, n) ids at a position into the draft model's cache; next-token logits (V,)."""
+
+        def step(ids: torch.Tensor, pos: int) -> torch.Tensor:
             positions = torch.arange(pos, pos + ids.shape[1], device=self.device)[None]
-            logits = forward_with_cache(self.model, ids, state.cache, position_ids=positions, logits_to_keep=1).logits[0, -1]
-            pos += ids.shape[1]
-            if drafted and self.confidence_stop > 0:  # a likely rejection: stop drafting here
-                if float(logits[: self.target_vocab].float().softmax(-1).max()) < self.confidence_stop:
-                    fed_all = True
-                    break
-            if req.sampling.greedy:
-                tok = logits[: self.target_vocab].argmax()[None]
-            else:
-                probs = self._next_probs(logits, req).cpu()
-                tok = torch.multinomial(probs, 1, generator=req.generator).to(self.device)
-                q_rows.append(probs)
-            drafted.append(tok)
-            ids = tok[None]
-        out = torch.cat(drafted).tolist()
-        state.processed = tokens + (out if fed_all else out[:-1])
-        draft_probs = None
-        if q_rows:  # row i: the distribution node i's child was sampled from
-            draft_probs = torch.stack(q_rows + [torch.zeros_like(q_rows[0])])
-        return chain(tokens[-1], out, draft_probs), state
+            return forward_with_cache(self.model, ids, state.cache, position_ids=positions, logits_to_keep=1).logits[0, -1]
+        return step
 
     def extra_parameters(self) -> int:
         """The whole draft model stays resident."""

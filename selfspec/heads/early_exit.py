@@ -20,10 +20,11 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache
 
 from ..drafters.base import DraftContext, DraftRequest, Drafter
-from ..drafters.draft_model import DraftModelState, common_prefix
+from ..drafters.chain import draft_chain
+from ..drafters.draft_model import DraftModelState
 from ..errors import SelfspecError
 from ..kv_cache import truncate
-from ..sampling import logits_to_probs
+from ..sequence import common_prefix
 from ..tree import DraftTree, chain
 from ..verify import cache_kwarg
 from .common import HeadsModule, config_with_layers, text_config, trained_parameter_count
@@ -98,15 +99,14 @@ class EarlyExitDrafter(Drafter):
         state = DraftModelState(DynamicCache(config=self.decoder.config), [])
         prefix = ctx.tokens[:-1].tolist()
         if prefix and getattr(ctx, "target_cache", None) is None:
-            self._logits(prefix, 0, state.cache)
+            self._logits(torch.tensor([prefix], device=self.device), 0, state.cache)
             state.processed = prefix
         return state
 
-    def _logits(self, ids: list[int], start: int, cache: Cache) -> torch.Tensor:
-        """Feed ``ids`` at positions ``start ..`` into ``cache``; the logits after the last one, (V,)."""
-        x = torch.tensor([ids], device=self.device)
-        pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.decoder(input_ids=x, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.decoder)): cache})
+    def _logits(self, ids: torch.Tensor, start: int, cache: Cache) -> torch.Tensor:
+        """Feed ``ids`` (1, n) at positions ``start ..`` into ``cache``; the logits after the last one, (V,)."""
+        pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.decoder)): cache})
         return self.lm_head(self.adapter(out.last_hidden_state[0, -1]))
 
     @torch.no_grad()
@@ -123,21 +123,14 @@ class EarlyExitDrafter(Drafter):
         else:
             cache, keep = state.cache, min(common_prefix(state.processed, tokens), len(tokens) - 1)
             truncate(cache, keep)
-        feed, pos, drafted, q_rows = tokens[keep:], keep, [], []
-        for _ in range(depth):
-            probs = logits_to_probs(self._logits(feed, pos, cache), req.sampling)
-            pos += len(feed)
-            tok = int(probs.argmax()) if req.sampling.greedy else int(
-                torch.multinomial(probs.cpu(), 1, generator=req.generator))
-            drafted.append(tok)
-            q_rows.append(probs.cpu())
-            feed = [tok]
+        feed = torch.tensor([tokens[keep:]], device=self.device)
+        out = draft_chain(lambda ids, pos: self._logits(ids, pos, cache), feed, keep, depth, req,
+                          self.lm_head.out_features)
         if shared is not None:
             truncate(cache, ctx.cache_len)  # give the target its layers back as they were
         else:
-            state.processed = tokens + drafted[:-1]
-        q = None if req.sampling.greedy else torch.stack(q_rows + [torch.zeros_like(q_rows[0])])
-        return chain(tokens[-1], drafted, q), state
+            state.processed = tokens + (out.tokens if out.fed_last else out.tokens[:-1])
+        return chain(tokens[-1], out.tokens, out.draft_probs), state
 
     def extra_parameters(self) -> int:
         """The exit adapter's trained parameters (the truncated model shares the target's)."""
