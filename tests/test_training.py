@@ -83,3 +83,25 @@ def test_flags_map_onto_the_config(tmp_path: Path) -> None:
     cfg = parse_config(["--config", str(cfg_file), "--epochs", "2", "--head-arg", "num_layers=2", "--no-cache-features"])
     assert (cfg.family, cfg.epochs, cfg.cache_features) == ("medusa", 2, False)
     assert cfg.head_args == {"num_heads": 3, "num_layers": 2}
+
+
+def test_eagle_unroll_sees_what_drafting_sees():
+    """Unrolled step k, row t equals drafting k steps from root t+1 with the head's own cache (real pairs 0..t)."""
+    from selfspec.heads import init_heads
+    from selfspec.train.losses import eagle_step, eagle_unroll
+
+    target = tiny_model(3, vocab=VOCAB)
+    head = init_heads("eagle", target).eval()
+    torch.manual_seed(0)
+    x = torch.randint(0, VOCAB, (2, 12))
+    f = torch.randn(2, 12, target.config.hidden_size)
+    with torch.no_grad():
+        steps = eagle_unroll(head, target, f, x, 3)
+        for b in range(2):
+            for t in (0, 4, 8):
+                cache = head.new_cache()
+                feat = eagle_step(head, target, f[b:b + 1, :t + 1], x[b:b + 1, 1:t + 2], 0, None, cache)[:, -1:]
+                for k in range(1, 4):
+                    torch.testing.assert_close(feat[0, 0], steps[k - 1][b, t], atol=1e-5, rtol=1e-5)
+                    if k < 3:
+                        feat = eagle_step(head, target, feat, x[b:b + 1, t + k + 1:t + k + 2], t + k, None, cache)

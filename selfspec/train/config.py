@@ -43,6 +43,8 @@ class TrainConfig:
     resume: bool = False
     medusa_decay: float = 0.8  # loss weight of Medusa head k is decay**k
     eagle_token_weight: float = 0.1  # EAGLE: feature regression + this * token cross-entropy
+    eagle_unroll: int = 3  # EAGLE: drafting steps unrolled in training (training-time test)
+    eagle_unroll_decay: float = 0.8  # EAGLE: loss weight of unrolled step k is decay**(k-1)
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all epochs)
 
     def __post_init__(self) -> None:
@@ -50,6 +52,8 @@ class TrainConfig:
             raise SelfspecError(f"unknown head family '{self.family}'; choose medusa, eagle or early-exit")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise SelfspecError("mixed_precision must be no, bf16 or fp16")
+        if self.eagle_unroll < 1:
+            raise SelfspecError(f"eagle_unroll must be >= 1, got {self.eagle_unroll}")
         if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
             raise SelfspecError("batch_size, gradient_accumulation_steps and epochs must be >= 1")
 

@@ -5,7 +5,10 @@ final normed hidden states f (B, T, H); f_t under the target's LM head predicts 
 
 * Medusa: head i (0-based) on f_t predicts x_{t+2+i}; cross-entropy weighted decay**i.
 * EAGLE: the pair (f_t, x_{t+1}) predicts f_{t+1}: smooth-L1 regression on the feature plus a soft
-  cross-entropy between the draft's and the target's next-token distributions (over the draft vocabulary).
+  cross-entropy between the draft's and the target's next-token distributions (over the draft vocabulary),
+  unrolled ``eagle_unroll`` steps the way drafting runs (EAGLE-3's training-time test): step k feeds
+  step k-1's predicted features back in, and each of its rows sees the real pairs before its root plus
+  its own chain of predicted pairs, exactly the cache a depth-k draft sees. Step k's loss weighs decay**(k-1).
 * Early exit: the exit state (first L layers + final norm + adapter) predicts x_{t+1}: KL to the
   target's own distribution there.
 """
@@ -18,6 +21,7 @@ from torch import nn
 
 from ..heads.common import lm_head_rows
 from ..heads.early_exit import truncated_decoder
+from ..tree import additive_mask
 
 
 def inner(module: nn.Module) -> nn.Module:
@@ -68,26 +72,60 @@ def medusa_loss(heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tens
 
 
 def eagle_step(head: nn.Module, target: nn.Module, feats: torch.Tensor, next_tokens: torch.Tensor, start: int,
-               attention_mask: torch.Tensor | None) -> torch.Tensor:
+               attention_mask: torch.Tensor | None, cache=None) -> torch.Tensor:
     """One pass of the head over pairs (feats[:, j], next_tokens[:, j]) at positions start + j -> predicted features."""
     embeds = target.get_input_embeddings()(next_tokens).to(feats.dtype)
     pos = torch.arange(start, start + feats.shape[1], device=feats.device)[None].expand(feats.shape[0], -1)
-    return head(feats, embeds, pos, attention_mask=attention_mask)
+    return head(feats, embeds, pos, cache=cache, attention_mask=attention_mask)
 
 
-def eagle_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], token_weight: float
-               ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Feature regression + soft cross-entropy to the target's next-token distribution (draft vocabulary)."""
-    x, m, f, am = batch["input_ids"], batch["loss_mask"].bool(), batch["f"], batch["attention_mask"]
-    pred = eagle_step(head, target, f[:, :-1], x[:, 1:], 0, am[:, 1:])  # pred[:, t] ~ f[:, t + 1]
-    keep = m[:, 1:]
-    reg = F.smooth_l1_loss(pred[keep].float(), f[:, 1:][keep].float())
+def unroll_mask(n: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Step ``step``'s (1, 1, n, step * n) additive mask: row t sees real pairs 0..t and its own chain (row t of each step)."""
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    return additive_mask(torch.cat([causal] + [eye] * (step - 1), dim=1)[None, None], dtype)
+
+
+def eagle_unroll(head: nn.Module, target: nn.Module, f: torch.Tensor, x: torch.Tensor, steps: int
+                 ) -> list[torch.Tensor]:
+    """Predicted features of ``steps`` drafting steps; ``out[k-1][:, t]`` guesses f[:, t + k] (x[:, t + k + 1] under the LM head).
+
+    Step 1 reads the real pairs (f_t, x_{t+1}); step k reads (step k-1's output, x_{t+k}) at position
+    t + k - 1 through one KV cache holding all earlier steps.
+    """
+    n = f.shape[1] - 1
+    tokens = F.pad(x, (0, steps))  # x[:, t + k] for every row t; rows past the end are masked from the loss
+    cache, feats, out = inner(head).new_cache(), f[:, :-1], []
+    for k in range(1, steps + 1):
+        mask = None if k == 1 else unroll_mask(n, k, feats.dtype, f.device).expand(f.shape[0], -1, -1, -1)
+        feats = eagle_step(head, target, feats, tokens[:, k:k + n], k - 1, mask, cache)
+        out.append(feats)
+    return out
+
+
+def eagle_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], token_weight: float,
+               steps: int = 1, decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
+    """Feature regression + soft cross-entropy to the target's next-token distribution, over ``steps`` unrolled steps."""
+    x, m, f = batch["input_ids"], batch["loss_mask"].bool(), batch["f"]
     rows = inner(head).d2t
-    draft_logp = F.log_softmax(_lm(target, pred[keep], rows).float(), -1)
-    with torch.no_grad():
-        teacher = F.softmax(_lm(target, f[:, 1:][keep], rows).float(), -1)
-    soft_ce = -(teacher * draft_logp).sum(-1).mean()
-    return reg + token_weight * soft_ce, {"reg": reg.item(), "soft_ce": soft_ce.item()}
+    total, logs = f.new_zeros(()), {}
+    for k, pred in enumerate(eagle_unroll(head, target, f, x, steps), start=1):
+        n = pred.shape[1] - (k - 1)  # rows t with t + k inside the sequence
+        if n <= 0:
+            break
+        keep = m[:, k:k + n]
+        if not keep.any():
+            continue
+        truth = f[:, k:k + n][keep].float()
+        guess = pred[:, :n][keep].float()
+        reg = F.smooth_l1_loss(guess, truth)
+        draft_logp = F.log_softmax(_lm(target, guess, rows), -1)
+        with torch.no_grad():
+            teacher = F.softmax(_lm(target, truth, rows), -1)
+        soft_ce = -(teacher * draft_logp).sum(-1).mean()
+        total = total + decay ** (k - 1) * (reg + token_weight * soft_ce)
+        logs[f"reg{k}"], logs[f"soft_ce{k}"] = reg.item(), soft_ce.item()
+    return total, logs
 
 
 def early_exit_loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor]
@@ -109,7 +147,7 @@ def head_loss(family: str, heads: nn.Module, target: nn.Module, batch: dict[str,
     if family == "medusa":
         return medusa_loss(heads, target, batch, cfg.medusa_decay)
     if family == "eagle":
-        return eagle_loss(heads, target, batch, cfg.eagle_token_weight)
+        return eagle_loss(heads, target, batch, cfg.eagle_token_weight, cfg.eagle_unroll, cfg.eagle_unroll_decay)
     return early_exit_loss(heads, target, batch)
 
 
@@ -119,7 +157,7 @@ def depth_accuracy(family: str, heads: nn.Module, target: nn.Module, batch: dict
     """(correct, total) top-1 counts per draft depth against the data's tokens, on assistant positions.
 
     Depth d means: the token d places after the root. Medusa head d-1; EAGLE unrolled d times on its own
-    predicted features (teacher-forced tokens); early exit has depth 1 only.
+    predicted features (teacher-forced tokens, the cache a depth-d draft sees); early exit has depth 1 only.
     """
     x, m = batch["input_ids"], batch["loss_mask"].bool()
     correct, total = [0] * max_depth, [0] * max_depth
@@ -138,15 +176,9 @@ def depth_accuracy(family: str, heads: nn.Module, target: nn.Module, batch: dict
         for i in range(min(states.shape[0], max_depth)):
             score(i + 1, _lm(target, states[i]).argmax(-1), i + 2)
     elif family == "eagle":
-        feats, am = batch["f"][:, :-1], batch["attention_mask"]
-        for d in range(1, max_depth + 1):
-            n = feats.shape[1]
-            if n == 0:
-                break
-            pred = eagle_step(heads, target, feats, x[:, d:d + n], d - 1, am[:, d:d + n])
-            d2t = inner(heads).d2t
+        d2t = inner(heads).d2t
+        for d, pred in enumerate(eagle_unroll(heads, target, batch["f"], x, max_depth), start=1):
             score(d, d2t[_lm(target, pred, d2t).argmax(-1)], d + 1)
-            feats = pred[:, :-1]
     else:
         score(1, _lm(target, heads(batch["exit"])).argmax(-1), 1)
     return correct, total
