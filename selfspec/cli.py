@@ -1,4 +1,4 @@
-"""The ``selfspec`` command: models, generate, demo, info.
+"""The ``selfspec`` command: models, generate, demo, info, bench.
 
 Every user mistake ends as one line ``selfspec: error: ...`` and exit status 2, never a stack trace.
 """
@@ -181,11 +181,28 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("folder")
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
+
+    # parsed by eval/bench.py itself (main() hands it the rest of the line): listed here for --help
+    sub.add_parser("bench", help="benchmark plain, separate-draft and self-speculative decoding (see selfspec bench --help)")
     return parser
+
+
+def run_bench(argv: list[str]) -> int:
+    """``selfspec bench ...``: the benchmark in eval/ (installed as ``selfspec_eval``) parses its own flags."""
+    try:
+        from selfspec_eval.bench import main as bench_main
+    except ImportError as exc:
+        print(f"selfspec: error: selfspec bench needs the eval package and matplotlib "
+              f"(pip install -e '.[eval]'): {exc}", file=sys.stderr)
+        return 2
+    return bench_main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``selfspec`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -20,6 +20,7 @@ from .adaptive import AdaptiveDepth
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .errors import SelfspecError
 from .kv_cache import cache_length, keep_entries, new_cache
+from .memory import counted_bytes
 from .sampling import SamplingConfig, logits_to_probs
 from .stats import GenerationStats
 from .tree import DraftTree, chain
@@ -204,6 +205,8 @@ class SpeculativeEngine:
                     new, finished = (generated + new)[len(generated):cut], True
                 stats.draft_s += t1 - t0
                 stats.verify_s += t2 - t1
+                stats.max_tree_nodes = max(stats.max_tree_nodes, tree.size)
+                stats.draft_state_bytes = max(stats.draft_state_bytes, counted_bytes(dstate))
                 stats.record_step(tree.max_depth, len(path), len(new))
                 if tree.max_depth == 0:
                     ctrl.record_plain(t2 - t1)

@@ -16,6 +16,8 @@ class GenerationStats:
     reached_depth: list[int] = field(default_factory=list)  # [d-1]: ... and whose path was accepted to depth d-1
     accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: ... and accepted a token at depth d
     tokens_per_step: list[int] = field(default_factory=list)
+    max_tree_nodes: int = 0  # largest draft tree verified, root included
+    draft_state_bytes: int = 0  # peak bytes of the drafter's per-request state (its KV cache) after a draft
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

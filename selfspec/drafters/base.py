@@ -67,3 +67,7 @@ class Drafter:
     def extra_parameters(self) -> int:
         """Parameters this drafter keeps resident beside the target: trained weights and any frozen copies."""
         return 0
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of the drafter's own KV cache per context token (0: none, or it drafts in the target's)."""
+        return 0

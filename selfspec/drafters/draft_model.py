@@ -17,6 +17,7 @@ from ..kv_cache import new_cache, truncate
 from ..tree import DraftTree, chain
 from ..sequence import common_prefix
 from ..verify import forward_with_cache
+from ..memory import kv_bytes_per_token, model_dtype
 from .base import DraftContext, DraftRequest, Drafter
 from .chain import draft_chain
 
@@ -86,3 +87,7 @@ class DraftModelDrafter(Drafter):
     def extra_parameters(self) -> int:
         """The whole draft model stays resident."""
         return sum(p.numel() for p in self.model.parameters())
+
+    def kv_bytes_per_token(self) -> int:
+        """The draft model's own full KV cache."""
+        return kv_bytes_per_token(self.model.config, model_dtype(self.model))

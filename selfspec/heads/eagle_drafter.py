@@ -25,6 +25,7 @@ from torch import nn
 
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..kv_cache import truncate
+from ..memory import kv_bytes_per_token, model_dtype
 from ..tree import DraftTree, additive_mask, chain
 from .common import lm_head_rows, trained_parameter_count
 from .eagle import EagleHead
@@ -199,3 +200,7 @@ class EagleDrafter(Drafter):
         """The head's trained parameters plus the gathered LM-head rows of a reduced draft vocabulary (a copy)."""
         shared = self.lm_weight.data_ptr() == self.target.get_output_embeddings().weight.data_ptr()
         return trained_parameter_count(self.head) + (0 if shared else self.lm_weight.numel())
+
+    def kv_bytes_per_token(self) -> int:
+        """The head's one-layer KV cache."""
+        return kv_bytes_per_token(self.head.decoder.config, model_dtype(self.head))

@@ -23,12 +23,13 @@ class TrainConfig:
     base_model: str = "smollm2-135m-instruct"  # zoo name, hub id or folder; loaded frozen
     family: str = "eagle"  # medusa | eagle | early-exit
     head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
-    data: str = "sharegpt"  # sharegpt | humaneval | a .json/.jsonl file (e.g. from generate_data.py) | hub id
+    data: str = "sharegpt"  # sharegpt | humaneval | .json/.jsonl file (e.g. generate_data.py's) | hub id; or several, comma-separated
     max_examples: int = 2000
     max_length: int = 512
     heldout_fraction: float = 0.02
     output_dir: str = "runs/heads"
     cache_features: bool = True  # run the target once, keep its hidden states on disk (safetensors shards)
+    feature_dir: str = ""  # where the cached states live ("" = OUTPUT_DIR/features); runs may share one
     epochs: int = 2
     batch_size: int = 4  # sequences per optimizer micro-step
     gradient_accumulation_steps: int = 1

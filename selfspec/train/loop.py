@@ -28,13 +28,26 @@ from ..heads import init_heads
 from ..zoo import load_model
 from .config import TrainConfig, config_dict
 from .features import FeatureCache, TokenDataset, build_feature_cache, pad_batch, tokenize_all
-from .losses import depth_accuracy, feature_keys, head_loss, target_features
+from .losses import depth_accuracy, feature_keys, head_loss, inner, target_features
 
 
 def load_examples(cfg: TrainConfig, tokenizer, split: str, limit: int) -> list[dict[str, torch.Tensor]]:
-    """Tokenised conversations of one split (assistant-token loss masks)."""
-    ds = load_chat_dataset(cfg.data, split=split, heldout_fraction=cfg.heldout_fraction, limit=limit)
-    return tokenize_all(tokenizer, list(ds["messages"]), cfg.max_length)
+    """Tokenised conversations of one split (assistant-token loss masks).
+
+    ``cfg.data`` may list several sources separated by commas (e.g. a self-distillation file, then
+    ``sharegpt``): they fill ``limit`` in order, and an id already taken from an earlier source is skipped.
+    """
+    conversations, seen = [], set()
+    for source in [s.strip() for s in cfg.data.split(",") if s.strip()]:
+        if len(conversations) >= limit:
+            break
+        ds = load_chat_dataset(source, split=split, heldout_fraction=cfg.heldout_fraction,
+                               limit=limit - len(conversations) + len(seen))
+        for ex_id, messages in zip(ds["id"], ds["messages"]):
+            if ex_id not in seen and len(conversations) < limit:
+                seen.add(ex_id)
+                conversations.append(messages)
+    return tokenize_all(tokenizer, conversations, cfg.max_length)
 
 
 def with_features(batch: dict[str, torch.Tensor], cfg: TrainConfig, target, heads) -> dict[str, torch.Tensor]:
@@ -123,11 +136,13 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     keys = feature_keys(cfg.family)
     if cfg.cache_features:
         with accelerator.main_process_first():
-            signature = {"base": cfg.base_model, "family": cfg.family, "head_args": cfg.head_args, "data": cfg.data,
-                         "max_examples": cfg.max_examples, "max_length": cfg.max_length,
-                         "heldout_fraction": cfg.heldout_fraction}
+            # what the states depend on (not the family: medusa and eagle read the same ones)
+            signature = {"base": cfg.base_model, "data": cfg.data, "max_examples": cfg.max_examples,
+                         "max_length": cfg.max_length, "heldout_fraction": cfg.heldout_fraction,
+                         "exit_layer": inner(heads).config.exit_layer if cfg.family == "early-exit" else None}
             train_set = build_feature_cache(lambda ids: target_features(cfg.family, target, heads, ids),
-                                            train_ex, keys, out / "features", accelerator.device, signature)
+                                            train_ex, keys, Path(cfg.feature_dir or out / "features"),
+                                            accelerator.device, signature)
     else:
         train_set = TokenDataset(train_ex)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=pad_batch,

@@ -1,0 +1,9 @@
+"""selfspec's evaluation code (installed as the ``selfspec_eval`` package; ``selfspec bench`` runs it).
+
+    prompts.py   benchmark prompts by category: chat, code, users' jsonl (prompt or MT-bench form)
+    methods.py   the compared methods (transformers, transformers assisted, selfspec with each drafter)
+    metrics.py   per method x category: tokens/s, speedup, tau, acceptance per depth, identical output
+    budgets.py   memory added per method (counted and predicted) and what fits a memory budget
+    report.py    JSON, Markdown and PNG plots
+    bench.py     the command: runs everything interleaved, resumable, and writes the report
+"""

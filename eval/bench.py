@@ -1,0 +1,241 @@
+"""selfspec bench: plain, separate-draft and self-speculative decoding side by side, on the same questions.
+
+Every method runs in this one process, interleaved per question (each question goes through every
+method before the next), after a warm-up, greedy; a noisy machine slows all methods alike, so read
+the ratios. Each run appends a line to ``OUT/runs.jsonl``: a killed benchmark resumes where it
+stopped, and ``--report-only`` rebuilds the report from it. Outputs: ``report.json``, ``report.md``,
+``speedup_by_category.png``, ``speedup_vs_memory.png``, ``acceptance_by_depth.png``.
+
+    selfspec bench --model smollm2-135m-instruct --n 4 --max-new-tokens 64 --out eval/results/smollm2
+    selfspec bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
+        --memory-budget 4GiB,6GiB,8GiB --out eval/results/qwen2.5-coder-1.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from selfspec.data import apply_chat_template, load_prompts
+from selfspec.errors import SelfspecError
+from selfspec.memory import counted_bytes, parse_bytes, predict_target, storages
+from selfspec.zoo import load_model
+
+from . import report as report_mod
+from .budgets import budget_table, measured_added, predicted_added
+from .methods import BASE_METHODS, Method, build_methods, heads_folders
+from .metrics import summarize
+from .prompts import load_bench_prompts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every option of ``selfspec bench``."""
+    p = argparse.ArgumentParser(prog="selfspec bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="target: zoo name, hub id or folder")
+    p.add_argument("--draft-model", help="separate draft model for hf-assisted and draft-model (same tokenizer)")
+    p.add_argument("--heads", action="append", default=[], metavar="FOLDER",
+                   help="a heads checkpoint to benchmark (repeatable); checkpoints/<model>-<family> are added "
+                        "automatically")
+    p.add_argument("--methods", help="comma-separated, in order (default: every available one of "
+                   f"{', '.join(BASE_METHODS)}, medusa, eagle, early-exit)")
+    p.add_argument("--prompts", default="code,chat",
+                   help="comma-separated sources: chat (ShareGPT held-out), code (HumanEval), or jsonl/json files "
+                        "with 'prompt' records or MT-bench questions (question_id, category, turns)")
+    p.add_argument("--n", type=int, default=10, help="questions per source")
+    p.add_argument("--max-prompt-tokens", type=int, default=400, help="skip questions whose first turn is longer")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
+    p.add_argument("--max-depth", type=int, default=16, help="selfspec: deepest draft")
+    p.add_argument("--max-nodes", type=int, default=16, help="selfspec: largest draft tree, root included")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--memory-budget", default="",
+                   help="comma-separated budgets (e.g. 4GiB,8GiB): what fits each, and the longest context")
+    p.add_argument("--context", type=int, default=2048, help="context (prompt + output tokens) a budget must hold")
+    p.add_argument("--budget-speed", action="store_true",
+                   help="also measure each method at the longest context that fits each budget (capped by "
+                        "--budget-max-context); on CUDA the budget is enforced and an out-of-memory is recorded")
+    p.add_argument("--budget-max-context", type=int, default=4096)
+    p.add_argument("--out", default="eval/results/bench", help="folder for runs.jsonl and the report")
+    p.add_argument("--report-only", action="store_true", help="report the runs already in --out; run nothing")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
+    return p
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(method: Method, target, ids: list[int], args: argparse.Namespace) -> dict:
+    """One turn through one method, as a JSON-ready row (CUDA peak memory when on a GPU)."""
+    cuda = target.device.type == "cuda"
+    if cuda:
+        _sync(target.device)
+        torch.cuda.reset_peak_memory_stats(target.device)
+    run = method.run(target, ids, args.max_new_tokens, args.max_depth, args.max_nodes)
+    if cuda:
+        run.cuda_peak_bytes = torch.cuda.max_memory_allocated(target.device)
+    return {**vars(run), "prompt_tokens": len(ids)}
+
+
+def run_questions(methods: list[Method], target, tokenizer, prompts, args: argparse.Namespace, log: Path) -> None:
+    """Every question x method not yet in ``log``; later turns follow each method's own earlier answers."""
+    from tqdm.auto import tqdm
+
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            r = json.loads(line)
+            done[(r["prompt"], r["method"])] = r
+    for m in methods:  # warm-up: kernels, allocator, lazy inits
+        m.run(target, apply_chat_template(tokenizer, prompts[0].messages([]))[:16], 4, args.max_depth, args.max_nodes)
+    total = sum(len(p.turns) for p in prompts) * len(methods)
+    bar = tqdm(total=total, desc="bench", unit="run")
+    answers = {m.name: {} for m in methods}
+    for q in prompts:
+        for m in methods:
+            answers[m.name][q.id] = []
+        for k in range(len(q.turns)):
+            pid = q.id if k == 0 else f"{q.id}#{k + 1}"
+            for m in methods:
+                row = done.get((pid, m.name))
+                if row is None:
+                    ids = apply_chat_template(tokenizer, q.messages(answers[m.name][q.id]))
+                    row = {"prompt": pid, "category": q.category, "method": m.name, **run_one(m, target, ids, args)}
+                    with log.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    tau = f" tau {row['tau']:.2f}" if row["tau"] is not None else ""
+                    bar.write(f"{pid:<16} {m.name:<14} {len(row['tokens']) / row['seconds']:7.2f} tok/s{tau}")
+                answers[m.name][q.id].append(tokenizer.decode(row["tokens"], skip_special_tokens=True))
+                bar.update(1)
+    bar.close()
+
+
+def long_prompt(tokenizer, length: int) -> list[int]:
+    """A real-text prompt of about ``length`` tokens: held-out ShareGPT turns, then a request to summarise."""
+    texts, n = [], 0
+    for ex in load_prompts("sharegpt", 400, split="heldout"):
+        texts.append(ex["turns"][0])
+        n += len(tokenizer(texts[-1])["input_ids"])
+        if n > length:
+            break
+    doc = tokenizer(" ".join(texts))["input_ids"]
+    question = "\n\nSummarise the text above in three sentences."
+    overhead = len(apply_chat_template(tokenizer, [{"role": "user", "content": question}]))
+    body = tokenizer.decode(doc[:max(length - overhead, 1)])
+    return apply_chat_template(tokenizer, [{"role": "user", "content": body + question}])[:length]
+
+
+def speed_at(method: Method, target, ids: list[int], args: argparse.Namespace, fraction: float | None) -> dict:
+    """tokens/s of ``method`` on ``ids``; on CUDA under a memory fraction, an out-of-memory is a result."""
+    if fraction is not None:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), target.device)
+    try:
+        run = method.run(target, ids, min(args.max_new_tokens, 64), args.max_depth, args.max_nodes)
+        return {"context": len(ids), "tokens_per_s": len(run.tokens) / run.seconds}
+    except torch.cuda.OutOfMemoryError:
+        return {"context": len(ids), "error": "out of memory"}
+    finally:
+        if fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, target.device)
+            torch.cuda.empty_cache()
+
+
+def method_tensors(m: Method):
+    """What a method keeps resident beside the target (its drafter or transformers' assistant)."""
+    return m.drafter if m.drafter is not None else m.assistant
+
+
+def budget_speeds(rows: list[dict], methods: list[Method], target, tokenizer, args: argparse.Namespace) -> None:
+    """Measure each fitting budget x method at its longest context (capped); CUDA enforces the budget.
+
+    Every method is loaded at once, so the fraction on CUDA allows for the *other* methods' resident
+    tensors, which a deployment of this method alone would not hold.
+    """
+    by_name = {m.name: m for m in methods}
+    cuda = target.device.type == "cuda"
+    total_mem = torch.cuda.get_device_properties(target.device).total_memory if cuda else None
+    target_st = storages(target)
+    for row in rows:
+        if row["max_context"] <= args.max_new_tokens:
+            continue
+        m = by_name[row["method"]]
+        length = min(row["max_context"], args.budget_max_context) - min(args.max_new_tokens, 64)
+        fraction = None
+        if cuda:
+            own = storages(method_tensors(m)) if method_tensors(m) is not None else {}
+            others = sum(counted_bytes(method_tensors(o), exclude={**target_st, **own})
+                         for o in methods if o is not m and method_tensors(o) is not None)
+            fraction = (row["budget"] + others) / total_mem
+        row["speed"] = speed_at(m, target, long_prompt(tokenizer, length), args, fraction)
+        print(f"budget {row['budget'] / 2**30:.2f} GiB {m.name:<14} context {row['speed']['context']}: "
+              f"{row['speed'].get('tokens_per_s', row['speed'].get('error'))}", flush=True)
+
+
+def bench(args: argparse.Namespace) -> dict:
+    """Load, run (or resume), and build the report dict; writes the report files."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budgets = [parse_bytes(b) for b in args.memory_budget.split(",") if b.strip()]
+    dtype = DTYPES[args.dtype]
+    target, tok = load_model(args.model, dtype=dtype, device=args.device)
+    draft = load_model(args.draft_model, dtype=dtype, device=args.device)[0] if args.draft_model else None
+    heads = heads_folders(args.model, args.heads)
+    names = args.methods.split(",") if args.methods else [
+        m for m in BASE_METHODS if draft is not None or m not in ("hf-assisted", "draft-model")] + list(heads)
+    methods = build_methods(names, target, tok, draft, heads)
+    log = out / "runs.jsonl"
+    if not args.report_only:
+        prompts = load_bench_prompts(args.prompts.split(","), args.n, tok, args.max_prompt_tokens)
+        run_questions(methods, target, tok, prompts, args, log)
+    if not log.exists():
+        raise SelfspecError(f"no runs in {out} to report")
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows = [r for r in rows if r["method"] in names]
+    summary = summarize(rows, names)
+    plain = "plain" if "plain" in names else summary["baseline"]
+    plain_rows = {r["prompt"]: r for r in rows if r["method"] == plain}
+    added = {m.name: predicted_added(m, target, args.max_nodes) for m in methods}
+    memory = {m.name: {"predicted": added[m.name].to_dict(), "predicted_at_context": added[m.name].at(args.context),
+                       "measured": measured_added(m, target, [r for r in rows if r["method"] == m.name], plain_rows)}
+              for m in methods}
+    limit = getattr(target.config, "max_position_embeddings", None)
+    budget_rows = budget_table(names, target, added, budgets, args.context, limit)
+    if args.budget_speed and not args.report_only:
+        budget_speeds(budget_rows, methods, target, tok, args)
+    report = {"setup": {**{k: v for k, v in vars(args).items() if k != "heads"}, "heads": heads,
+                        "methods": names, "device": str(target.device),
+                        "torch_threads": torch.get_num_threads()},
+              "summary": summary, "target_memory": predict_target(target).to_dict(), "memory": memory,
+              "budgets": budget_rows}
+    files = report_mod.write(report, out, with_plots=not args.no_plots)
+    print(report_mod.markdown(report))
+    print("wrote " + ", ".join(str(f) for f in files))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``selfspec bench`` (and ``python -m selfspec_eval.bench``)."""
+    args = build_parser().parse_args(argv)
+    try:
+        bench(args)
+    except SelfspecError as exc:
+        print(f"selfspec bench: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The methods a benchmark compares. Each runs one prompt (token ids) greedily and returns a :class:`Run`.
+
+    hf             transformers ``generate``
+    hf-assisted    transformers assisted generation with a separate assistant model
+    plain          selfspec without a drafter (the same loop, nothing drafted)
+    draft-model    selfspec with the separate draft model
+    prompt-lookup  selfspec with n-gram drafts from the context
+    medusa / eagle / early-exit   selfspec with a heads checkpoint (one method per checkpoint)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from selfspec.checkpoint import load_heads, read_heads_json
+from selfspec.drafters.base import Drafter
+from selfspec.drafters.draft_model import DraftModelDrafter
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.errors import SelfspecError
+
+BASE_METHODS = ("hf", "hf-assisted", "plain", "draft-model", "prompt-lookup")
+HEAD_FAMILIES = ("medusa", "eagle", "early-exit")
+COMMITTED = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+@dataclass
+class Run:
+    """One prompt through one method."""
+
+    tokens: list[int]
+    seconds: float
+    tau: float | None = None  # None for transformers' methods (they do not report it)
+    target_forwards: int | None = None
+    reached_depth: list[int] = field(default_factory=list)
+    accepted_at_depth: list[int] = field(default_factory=list)
+    draft_state_bytes: int = 0
+    max_tree_nodes: int = 0
+    cuda_peak_bytes: int | None = None
+
+
+@dataclass
+class Method:
+    """A named way to decode: a selfspec drafter (None = plain) or transformers (optionally with an assistant)."""
+
+    name: str
+    kind: str  # "hf" | "selfspec"
+    drafter: Drafter | None = None
+    assistant: nn.Module | None = None
+    heads_dir: str | None = None
+
+    def run(self, target: nn.Module, ids: list[int], max_new: int, max_depth: int, max_nodes: int) -> Run:
+        """Greedy decoding of ``ids``; new tokens up to and including EOS."""
+        if self.kind == "hf":
+            return run_hf(target, ids, max_new, self.assistant)
+        cfg = DecodeConfig(max_new_tokens=max_new, max_depth=max_depth, max_nodes=max_nodes)
+        res = SpeculativeEngine(target, self.drafter).generate(ids, cfg)
+        s = res.stats
+        return Run(res.tokens, s.total_s, s.mean_accepted, s.target_forwards, s.reached_depth, s.accepted_at_depth,
+                   s.draft_state_bytes, s.max_tree_nodes)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_hf(model: nn.Module, ids: list[int], max_new: int, assistant: nn.Module | None = None) -> Run:
+    """transformers greedy ``generate`` (assisted when ``assistant`` is given)."""
+    x = torch.tensor([ids], device=model.device)
+    kwargs = {"assistant_model": assistant} if assistant is not None else {}
+    _sync(model.device)
+    start = time.perf_counter()
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                         pad_token_id=model.generation_config.pad_token_id, temperature=None, top_p=None, top_k=None,
+                         **kwargs)
+    _sync(model.device)
+    seconds = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+    return Run(new[:cut], seconds)
+
+
+def heads_folders(model_name: str, extra: list[str]) -> dict[str, str]:
+    """Method name -> heads folder: the committed ``checkpoints/<model>-<family>`` ones, then ``extra``.
+
+    A method is named by its family, or by its folder name when two folders share a family.
+    """
+    folders = [str(COMMITTED / f"{Path(model_name).name}-{fam}") for fam in HEAD_FAMILIES]
+    folders = [f for f in folders if (Path(f) / "selfspec_heads.json").is_file()] + list(extra)
+    out: dict[str, str] = {}
+    for folder in folders:
+        fam = read_heads_json(folder)["family"]
+        out[fam if fam not in out else Path(folder).name] = folder
+    return out
+
+
+def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Module | None,
+                  heads: dict[str, str]) -> list[Method]:
+    """The requested methods, in order; one-line errors for a method that lacks what it needs."""
+    out = []
+    vocab = target.get_output_embeddings().out_features
+    for name in names:
+        if name in ("hf-assisted", "draft-model") and draft is None:
+            raise SelfspecError(f"method {name} needs --draft-model")
+        if name == "hf":
+            out.append(Method(name, "hf"))
+        elif name == "hf-assisted":
+            out.append(Method(name, "hf", assistant=draft))
+        elif name == "plain":
+            out.append(Method(name, "selfspec"))
+        elif name == "draft-model":
+            out.append(Method(name, "selfspec", DraftModelDrafter(draft, vocab)))
+        elif name == "prompt-lookup":
+            out.append(Method(name, "selfspec", PromptLookupDrafter()))
+        elif name in heads:
+            drafter = load_heads(target, heads[name], tokenizer=tokenizer)[1]
+            out.append(Method(name, "selfspec", drafter, heads_dir=heads[name]))
+        else:
+            known = ", ".join([*BASE_METHODS, *heads]) or "-"
+            raise SelfspecError(f"unknown or unavailable method '{name}' (available: {known}); "
+                                "head methods need a checkpoint in checkpoints/ or --heads FOLDER")
+    return out

@@ -1,0 +1,128 @@
+"""The benchmark's outputs: ``report.json`` (everything), ``report.md`` (tables), PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from selfspec.memory import format_bytes
+
+from .metrics import OVERALL
+
+
+def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def markdown(report: dict) -> str:
+    """Tables: overall and per category (tokens/s, speedup, tau, identical), memory, budgets."""
+    s, setup = report["summary"], report["setup"]
+    lines = [f"# selfspec bench: {setup['model']}", "",
+             f"{s['questions']} questions, {setup['max_new_tokens']} new tokens, greedy, {setup['dtype']}, "
+             f"{setup['device']}; methods interleaved per question after a warm-up. Speedup is against "
+             f"`{s['baseline']}`; identical = greedy output equal to `{s['baseline']}`'s.", ""]
+    cats = s["categories"]
+    for cat in [OVERALL, *[c for c in cats if c != OVERALL]]:
+        table = cats[cat]
+        n = next(iter(table.values()))["questions"]
+        lines += [f"## {cat} ({n} questions)", "",
+                  "| method | tokens/s | speedup | tau | identical | acceptance by depth (1..4) |",
+                  "|---|---|---|---|---|---|"]
+        for m, v in table.items():
+            acc = " ".join(f"{a:.2f}" for a in v["acceptance_by_depth"][:4]) or "-"
+            lines.append(f"| {m} | {v['tokens_per_s']:.2f} | {_fmt(v['speedup'])}x | {_fmt(v['tau'])} | "
+                         f"{v.get('identical', '-')}/{v['questions']} | {acc} |")
+        lines.append("")
+    lines += ["## Memory added over the target alone", "",
+              f"Target: {format_bytes(report['target_memory']['weights'])} of weights, "
+              f"{format_bytes(report['target_memory']['kv_per_token'])} of KV cache per token.", "",
+              "| method | predicted weights | predicted KV / token | predicted tree | predicted at "
+              f"{setup['context']} tokens | measured | measured how |", "|---|---|---|---|---|---|---|"]
+    for m, mem in report["memory"].items():
+        p, meas = mem["predicted"], mem["measured"]
+        lines.append(f"| {m} | {format_bytes(p['weights'])} | {format_bytes(p['kv_per_token'])} | "
+                     f"{format_bytes(p['transient'])} | {format_bytes(mem['predicted_at_context'])} | "
+                     f"{format_bytes(meas['total'])} | {meas['source']} |")
+    if report.get("budgets"):
+        lines += ["", f"## Memory budgets (context {setup['context']} tokens)", "",
+                  "| budget | method | needed | fits | longest context that fits | tokens/s there | measured at |",
+                  "|---|---|---|---|---|---|---|"]
+        for b in report["budgets"]:
+            speed = b.get("speed")
+            there = "-" if not speed else (speed.get("error") or f"{speed['tokens_per_s']:.2f}")
+            at = "-" if not speed else f"{speed['context']} tokens"
+            lines.append(f"| {format_bytes(b['budget'])} | {b['method']} | {format_bytes(b['needed'])} | "
+                         f"{'yes' if b['fits'] else 'no'} | {b['max_context']} | {there} | {at} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, folder: Path) -> list[Path]:
+    """speedup per category per method; speedup against added memory; acceptance per depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = report["summary"]["categories"]
+    methods = list(cats[OVERALL])
+    names = [c for c in cats if c != OVERALL] + [OVERALL]
+    out = []
+
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(methods) * len(names) / 2, 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        ax.bar([c + i * width for c in range(len(names))], [cats[c][m]["speedup"] or 0 for c in names], width,
+               label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(names))], names)
+    ax.set_ylabel(f"speedup vs {report['summary']['baseline']}")
+    ax.set_title(f"{report['setup']['model']}: speedup by category")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.append(folder / "speedup_by_category.png")
+    fig.savefig(out[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        mib = report["memory"][m]["predicted_at_context"] / 2**20
+        ax.scatter([max(mib, 1e-2)], [cats[OVERALL][m]["speedup"] or 0], s=40)
+        ax.annotate(m, (max(mib, 1e-2), cats[OVERALL][m]["speedup"] or 0), fontsize=8, xytext=(4, 4),
+                    textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"memory added over the target (MiB, predicted at {report['setup']['context']} tokens)")
+    ax.set_ylabel("overall speedup")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_title("speedup against added memory")
+    fig.tight_layout()
+    out.append(folder / "speedup_vs_memory.png")
+    fig.savefig(out[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        acc = cats[OVERALL][m]["acceptance_by_depth"]
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("P(accepted | reached)")
+    ax.set_ylim(0, 1)
+    ax.set_title("acceptance per depth (all questions)")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.append(folder / "acceptance_by_depth.png")
+    fig.savefig(out[-1], dpi=120)
+    plt.close(fig)
+    return out
+
+
+def write(report: dict, folder: Path, with_plots: bool = True) -> list[Path]:
+    """report.json, report.md and (matplotlib permitting) the plots; returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report, indent=2))
+    (folder / "report.md").write_text(markdown(report))
+    files = [folder / "report.json", folder / "report.md"]
+    if with_plots:
+        files += plots(report, folder)
+    return files

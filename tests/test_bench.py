@@ -1,0 +1,173 @@
+"""selfspec bench: the report's arithmetic, the memory prediction against tensors actually held, budgets."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec.drafters.draft_model import DraftModelDrafter
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.errors import SelfspecError
+from selfspec.heads import init_heads, make_drafter
+from selfspec.kv_cache import new_cache
+from selfspec.memory import (MemoryEstimate, counted_added, counted_bytes, kv_bytes_per_token, max_context,
+                             parse_bytes, predict_added, predict_target, storages)
+from selfspec.verify import forward_with_cache
+from selfspec_eval.budgets import budget_table
+from selfspec_eval.metrics import complete_prompts, pooled_acceptance, summarize
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def own_buffer_bytes(drafter, target) -> int:
+    """Buffers (rotary tables, index maps) the drafter holds beside the target: counted, but not parameters."""
+    theirs = storages(target)
+    mods = [v for v in vars(drafter).values() if isinstance(v, torch.nn.Module)]
+    bufs = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for m in mods for b in m.buffers()}
+    return sum(n for ptr, n in bufs.items() if ptr not in theirs)
+
+
+def _row(prompt, method, n_tokens, seconds, cat="chat", tau=None, reached=(), accepted=(), tokens=None):
+    return {"prompt": prompt, "method": method, "category": cat, "tokens": tokens or list(range(n_tokens)),
+            "seconds": seconds, "tau": tau, "reached_depth": list(reached), "accepted_at_depth": list(accepted)}
+
+
+def test_summary_arithmetic():
+    rows = [
+        _row("a", "hf", 10, 10.0), _row("a", "eagle", 10, 2.0, tau=4.0, reached=[3, 2], accepted=[2, 1]),
+        _row("b", "hf", 20, 5.0, cat="code"),
+        _row("b", "eagle", 20, 2.0, cat="code", tau=2.0, reached=[1, 0], accepted=[0, 0], tokens=[7] * 20),
+        _row("c", "hf", 5, 1.0),  # eagle never ran c: left out of every average
+    ]
+    s = summarize(rows, ["hf", "eagle"])
+    assert s["baseline"] == "hf" and s["questions"] == 2
+    overall = s["categories"]["overall"]
+    assert overall["hf"]["tokens_per_s"] == pytest.approx((1.0 + 4.0) / 2)  # per-question throughput, then mean
+    assert overall["eagle"]["tokens_per_s"] == pytest.approx((5.0 + 10.0) / 2)
+    assert overall["eagle"]["speedup"] == pytest.approx(7.5 / 2.5)
+    assert overall["eagle"]["tau"] == pytest.approx(3.0)
+    assert overall["eagle"]["acceptance_by_depth"] == pytest.approx([2 / 4, 1 / 2])  # pooled counts, not mean of ratios
+    assert overall["eagle"]["identical"] == 1 and overall["hf"]["identical"] == 2
+    assert s["categories"]["code"]["eagle"]["speedup"] == pytest.approx(10.0 / 4.0)
+    assert s["categories"]["chat"]["eagle"]["questions"] == 1
+    assert overall["hf"]["tau"] is None
+
+
+def test_complete_prompts_and_pooling_edges():
+    rows = [_row("a", "x", 1, 1.0), _row("a", "y", 1, 1.0), _row("b", "x", 1, 1.0)]
+    assert complete_prompts(rows, ["x", "y"]) == ["a"]
+    assert pooled_acceptance([_row("a", "x", 1, 1.0)]) == []
+    assert pooled_acceptance([_row("a", "x", 1, 1.0, reached=[2, 0], accepted=[0, 0])]) == [0.0, 0.0]
+    assert summarize(rows, ["y"])["baseline"] == "y"  # no hf: the first method is the baseline
+
+
+def test_parse_bytes_and_errors():
+    assert parse_bytes("4GiB") == 4 * 2**30
+    assert parse_bytes("1.5 gb") == 1_500_000_000
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("100") == 100
+    with pytest.raises(SelfspecError, match="memory size"):
+        parse_bytes("4 parsecs")
+
+
+def test_kv_prediction_equals_cache_bytes():
+    model = tiny_model(0, vocab=64, layers=3)
+    cache = new_cache(model)
+    n = 11
+    forward_with_cache(model, torch.arange(n)[None], cache, position_ids=torch.arange(n)[None])
+    assert counted_bytes(cache) == n * kv_bytes_per_token(model.config, torch.float32)
+
+
+def test_draft_model_prediction_matches_counted():
+    target, draft = tiny_model(0, vocab=64), tiny_model(1, vocab=64, layers=1)
+    drafter = DraftModelDrafter(draft, 64)
+    pred = predict_added(target, drafter, max_nodes=8)
+    res = SpeculativeEngine(target, drafter).generate(list(range(1, 9)), DecodeConfig(max_new_tokens=20, max_nodes=8))
+    counted = counted_added(target, drafter, res.stats.draft_state_bytes, res.stats.max_tree_nodes)
+    assert pred.weights == sum(p.numel() * 4 for p in draft.parameters())
+    assert counted["weights"] == pred.weights + own_buffer_bytes(drafter, target)
+    # the draft cache holds at most prompt + output + one draft chain, at least the prompt
+    per_tok = kv_bytes_per_token(draft.config, torch.float32)
+    assert pred.kv_per_token == per_tok
+    assert 8 * per_tok <= counted["kv_cache"] <= (8 + 20 + 7) * per_tok
+    assert counted["kv_cache"] % per_tok == 0
+    assert counted["tree"] <= pred.transient
+
+
+@pytest.mark.parametrize("family", ["eagle", "medusa", "early-exit"])
+def test_heads_prediction_matches_counted(family):
+    target = tiny_model(0, vocab=64, layers=4)
+    kw = {"draft_vocab_size": 32} if family == "eagle" else {"exit_layer": 2} if family == "early-exit" else {}
+    heads = init_heads(family, target, **kw)
+    drafter = make_drafter(heads, target)
+    pred = predict_added(target, drafter, max_nodes=16)
+    counted = counted_added(target, drafter, 0, 16)
+    assert counted["weights"] == pred.weights + own_buffer_bytes(drafter, target)
+    assert counted["tree"] == pred.transient
+    if family != "eagle":
+        assert pred.kv_per_token == 0  # medusa has no cache; early exit drafts in the target's own layers
+
+
+def test_prompt_lookup_adds_only_the_tree():
+    target = tiny_model(0, vocab=64)
+    drafter = PromptLookupDrafter()
+    assert predict_added(target, drafter, 4).weights == 0
+    assert counted_added(target, drafter, 0, 4)["weights"] == 0
+
+
+def test_budget_arithmetic():
+    target = tiny_model(0, vocab=64, layers=2)
+    base = predict_target(target)
+    extra = MemoryEstimate(weights=1000, kv_per_token=10, transient=50)
+    budget = base.weights + 1000 + 50 + (base.kv_per_token + 10) * 300
+    assert max_context(budget, base + extra) == 300
+    assert max_context(budget, base + extra, limit=100) == 100
+    assert max_context(base.weights, base + extra) == 0
+    rows = budget_table(["plain", "x"], target, {"plain": MemoryEstimate(), "x": extra}, [budget], 300, None)
+    assert [r["fits"] for r in rows] == [True, True]
+    assert rows[1]["max_context"] == 300 and rows[0]["max_context"] > 300
+    rows = budget_table(["x"], target, {"x": extra}, [budget], 301, None)
+    assert rows[0]["fits"] is False
+
+
+def test_every_package_is_installed():
+    """pyproject lists packages by hand (eval/ is mapped to selfspec_eval): none may be forgotten."""
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "selfspec").rglob("__init__.py")}
+    assert found | {"selfspec_eval"} == listed
+
+
+@pytest.mark.integration
+def test_bench_small_run_writes_report(tmp_path):
+    """A small real run: JSON, Markdown and the three PNGs; every selfspec method identical to hf."""
+    import json
+
+    from selfspec.cli import main
+
+    out = tmp_path / "bench"
+    code = main(["bench", "--model", "smollm2-135m-instruct", "--methods", "hf,plain,prompt-lookup", "--n", "1",
+                 "--max-new-tokens", "8", "--memory-budget", "600MiB,1GiB", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    overall = report["summary"]["categories"]["overall"]
+    assert overall["plain"]["identical"] == overall["prompt-lookup"]["identical"] == 2
+    assert {r["method"] for r in report["budgets"]} == {"hf", "plain", "prompt-lookup"}
+    assert [r["fits"] for r in report["budgets"] if r["method"] == "plain"] == [False, True]  # 513 MiB of weights
+    for name in ("report.md", "speedup_by_category.png", "speedup_vs_memory.png", "acceptance_by_depth.png"):
+        assert (out / name).stat().st_size > 0
+    # resumed: nothing re-runs, the same report comes back
+    assert main(["bench", "--model", "smollm2-135m-instruct", "--methods", "hf,plain,prompt-lookup",
+                 "--out", str(out), "--report-only", "--no-plots"]) == 0
+
+
+def test_bench_bad_model_is_one_line(capsys):
+    from selfspec_eval.bench import main
+
+    code = main(["--model", "/nonexistent/model/folder", "--out", "/tmp/x"])
+    assert code == 2
+    assert "selfspec bench: error:" in capsys.readouterr().err
