@@ -1,6 +1,7 @@
 """The augmented checkpoint: trained draft heads in a folder, attached to a frozen base model.
 
-A heads folder holds exactly two files (format: ``checkpoints/README.md``):
+A heads folder holds two files (format: ``checkpoints/README.md``; a model card README.md and the
+training run's train_config.json may sit beside them, and loading ignores them):
 
     selfspec_heads.json   format_version, head family + config, the base model's identity
     heads.safetensors     the trained tensors only (never the frozen base)

@@ -112,6 +112,28 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
                             "use the original settings or a new --output-dir")
 
 
+def model_card(cfg: TrainConfig, log_path: Path, examples: int, heads) -> str:
+    """A short README for the heads folder: base, data, steps, time, held-out top-1 per depth."""
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.is_file() else []
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "heldout_top1_by_depth" in r]
+    top1 = ", ".join(f"{a:.3f}" for a in evals[-1]["heldout_top1_by_depth"]) if evals else "not evaluated"
+    params = sum(p.numel() for p in heads.parameters())
+    hours = steps[-1]["elapsed_s"] / 3600 if steps else 0.0
+    return "\n".join([
+        f"# {cfg.family} heads for {cfg.base_model}", "",
+        f"- family: {cfg.family} ({params / 1e6:.2f}M trained parameters), head settings: {cfg.head_args or 'defaults'}",
+        f"- base model: {cfg.base_model}, frozen",
+        f"- data: {cfg.data}; {examples} training conversations (max {cfg.max_length} tokens), loss on assistant tokens",
+        f"- training: {len(steps)} optimizer steps, {cfg.epochs} epochs, batch {cfg.batch_size} x "
+        f"{cfg.gradient_accumulation_steps} accumulation, lr {cfg.learning_rate} (warmup {cfg.warmup_steps}, cosine), "
+        f"{hours:.2f} h of logged training time (last run segment)",
+        f"- held-out top-1 accuracy by draft depth (teacher-forced tokens): {top1}",
+        f"- final loss: {steps[-1]['loss']:.4f}" if steps else "- final loss: -",
+        "", "Reproduce: `python training/train_heads.py --config train_config.json` (the run's settings are in "
+        "train_config.json beside this card).", ""])
+
+
 def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=None) -> Path:
     """Run (or resume) one training run; returns the folder of the trained heads checkpoint.
 
@@ -214,4 +236,6 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     final = out / "heads"
     if accelerator.is_main_process:
         save_heads(accelerator.unwrap_model(heads), target, final, tokenizer=tokenizer, base_name=cfg.base_model)
+        (final / "README.md").write_text(model_card(cfg, log_path, len(train_ex), accelerator.unwrap_model(heads)))
+        (final / "train_config.json").write_text(json.dumps(config_dict(cfg), indent=2))
     return final
