@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.zoo import load_model
+from selfspec_eval.methods import run_hf
 
 METHODS = ("hf", "hf-assisted", "plain", "draft-model", "prompt-lookup")
 
@@ -52,26 +52,11 @@ def pick_prompts(tokenizer, n_code: int, n_chat: int, max_prompt_tokens: int) ->
     return mixed + code[len(mixed) // 2:] + chat[len(mixed) // 2:]
 
 
-def run_hf(model, ids: list[int], max_new: int, assistant=None) -> tuple[list[int], float]:
-    """transformers greedy generate (optionally assisted); new tokens up to and including EOS, seconds."""
-    x = torch.tensor([ids])
-    kwargs = {"assistant_model": assistant} if assistant is not None else {}
-    start = time.perf_counter()
-    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
-                         pad_token_id=model.generation_config.pad_token_id, **kwargs)
-    seconds = time.perf_counter() - start
-    new = out[0, len(ids):].tolist()
-    eos = model.generation_config.eos_token_id
-    eos = set(eos) if isinstance(eos, list) else {eos}
-    cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-    return new[:cut], seconds
-
-
 def run_method(method: str, target, draft, ids: list[int], max_new: int, depth: int = 16, nodes: int = 16) -> dict:
     """One prompt through one method: tokens, seconds, tau, target passes."""
     if method in ("hf", "hf-assisted"):
-        tokens, seconds = run_hf(target, ids, max_new, draft if method == "hf-assisted" else None)
-        return {"tokens": tokens, "seconds": seconds, "tau": None, "target_forwards": None}
+        run = run_hf(target, ids, max_new, draft if method == "hf-assisted" else None)
+        return {"tokens": run.tokens, "seconds": run.seconds, "tau": None, "target_forwards": None}
     drafter = {"plain": None, "draft-model": DraftModelDrafter(draft) if draft is not None else None,
                "prompt-lookup": PromptLookupDrafter()}[method]
     res = SpeculativeEngine(target, drafter).generate(ids, DecodeConfig(max_new_tokens=max_new, max_depth=depth,
