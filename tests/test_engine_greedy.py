@@ -9,6 +9,7 @@ from conftest import OracleTreeDrafter, hf_greedy, tiny_model
 from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.errors import SelfspecError
 
 
 def _prompt(seed: int, n: int, vocab: int = 64) -> list[int]:
@@ -150,3 +151,36 @@ def test_confidence_stop_shortens_drafts_and_stays_lossless() -> None:
     short = SpeculativeEngine(target, DraftModelDrafter(draft, confidence_stop=0.9)).generate(prompt, cfg)
     assert full.tokens == short.tokens == hf_greedy(target, prompt, 40)
     assert sum(short.stats.drafted_at_depth) < sum(full.stats.drafted_at_depth)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_draft_model_with_reduced_vocabulary_is_lossless(seed: int) -> None:
+    """FR-Spec-style draft vocabulary: tokens outside it are never drafted, the output stays the target's."""
+    target, draft = tiny_model(seed, layers=3), tiny_model(seed + 100, layers=1)
+    prompt = _prompt(seed, 10)
+    rows = torch.arange(0, 64, 2)  # half the vocabulary
+    drafter = DraftModelDrafter(draft, draft_vocab=rows, confidence_stop=0.0)
+    got = SpeculativeEngine(target, drafter).generate(prompt, DecodeConfig(max_new_tokens=40, max_depth=4,
+                                                                          adaptive=False))
+    assert got.tokens == hf_greedy(target, prompt, 40)
+    assert drafter.extra_parameters() == sum(p.numel() for p in draft.parameters()) + 32 * 32
+
+
+def test_reduced_vocabulary_drafts_the_subset_argmax() -> None:
+    """Pruned logits equal the full model's logits on the kept rows, -inf elsewhere."""
+    from selfspec.kv_cache import new_cache
+
+    draft = tiny_model(5, layers=1)
+    rows = torch.tensor([3, 7, 11, 60])
+    d = DraftModelDrafter(draft, draft_vocab=rows)
+    state = type("S", (), {"cache": new_cache(draft)})()
+    ids = torch.tensor([[1, 2, 3]])
+    got = d._step(state)(ids, 0)
+    full = draft(ids).logits[0, -1]
+    torch.testing.assert_close(got[rows], full[rows], atol=1e-5, rtol=1e-5)
+    assert torch.isinf(got).sum() == 64 - 4
+
+
+def test_reduced_vocabulary_rejects_bad_ids() -> None:
+    with pytest.raises(SelfspecError, match="draft_vocab"):
+        DraftModelDrafter(tiny_model(5, layers=1), draft_vocab=torch.tensor([0, 64]))

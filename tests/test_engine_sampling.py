@@ -116,6 +116,11 @@ def test_chain_speculative_sampling_is_lossless(target, draft) -> None:
     assert chi_square_pvalue(draw(engine, 1), exact_joint(target)) > ALPHA
 
 
+def test_chain_sampling_with_reduced_draft_vocabulary_is_lossless(target, draft) -> None:
+    engine = SpeculativeEngine(target, DraftModelDrafter(draft, draft_vocab=torch.arange(0, VOCAB, 2)))
+    assert chi_square_pvalue(draw(engine, 1), exact_joint(target)) > ALPHA
+
+
 def test_tree_speculative_sampling_is_lossless(target, draft) -> None:
     engine = SpeculativeEngine(target, SampledTreeDrafter(draft))
     assert chi_square_pvalue(draw(engine, 1), exact_joint(target)) > ALPHA

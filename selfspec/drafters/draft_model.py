@@ -3,6 +3,11 @@
 The draft model keeps its own KV cache, kept in step with the target's: before drafting it rolls
 back to the longest prefix it processed that is still committed, then feeds the missing tokens.
 This is the baseline selfspec's heads must beat on memory: the whole second model stays resident.
+
+``draft_vocab`` (optional, FR-Spec's idea) drafts over a subset of frequent token ids only: the draft
+model's LM head is evaluated on those rows (a gathered copy), which for a large vocabulary is a
+quarter of a small draft model's work. Tokens outside the subset are never drafted; the draft
+distribution is the softmax over the subset, reported as such, so acceptance stays exact.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from ..errors import SelfspecError
 from ..kv_cache import new_cache, truncate
 from ..tree import DraftTree, chain
 from ..sequence import common_prefix
-from ..verify import forward_with_cache
+from ..verify import cache_kwarg, forward_with_cache
 from ..memory import kv_bytes_per_token, model_dtype
 from .base import DraftContext, DraftRequest, Drafter
 from .chain import draft_chain
@@ -36,9 +41,10 @@ class DraftModelDrafter(Drafter):
     name = "draft-model"
 
     def __init__(self, draft_model: torch.nn.Module, target_vocab_size: int | None = None,
-                 confidence_stop: float = 0.4) -> None:
+                 confidence_stop: float = 0.4, draft_vocab: torch.Tensor | None = None) -> None:
         """``confidence_stop``: end the chain at a token the draft model itself gives less than this
-        probability (it depends on the draft alone, so acceptance stays exact); 0 drafts the full depth."""
+        probability (it depends on the draft alone, so acceptance stays exact); 0 drafts the full depth.
+        ``draft_vocab``: token ids to draft from (e.g. :func:`frequent_token_ids`); None = all."""
         self.model = draft_model.eval()
         self.model.requires_grad_(False)
         self.draft_vocab = draft_model.get_output_embeddings().out_features
@@ -49,6 +55,17 @@ class DraftModelDrafter(Drafter):
                 "a separate draft model must share the target's tokenizer")
         self.device = next(draft_model.parameters()).device
         self.confidence_stop = confidence_stop
+        self.rows = self.lm_rows = None
+        if draft_vocab is not None:
+            rows = torch.as_tensor(draft_vocab, dtype=torch.long).unique()
+            if rows.numel() == 0 or int(rows.max()) >= self.draft_vocab or int(rows.min()) < 0:
+                raise SelfspecError(f"draft_vocab must hold token ids in [0, {self.draft_vocab})")
+            if getattr(draft_model.config, "final_logit_softcapping", None):
+                raise SelfspecError("draft_vocab does not support models with final logit soft-capping")
+            head = draft_model.get_output_embeddings()
+            self.rows = rows.to(self.device)
+            self.lm_rows = head.weight.detach().index_select(0, self.rows)
+            self.lm_bias = None if head.bias is None else head.bias.detach().index_select(0, self.rows)
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> DraftModelState:
@@ -81,13 +98,28 @@ class DraftModelDrafter(Drafter):
 
         def step(ids: torch.Tensor, pos: int) -> torch.Tensor:
             positions = torch.arange(pos, pos + ids.shape[1], device=self.device)[None]
-            return forward_with_cache(self.model, ids, state.cache, position_ids=positions, logits_to_keep=1).logits[0, -1]
+            if self.rows is None:
+                return forward_with_cache(self.model, ids, state.cache, position_ids=positions,
+                                          logits_to_keep=1).logits[0, -1]
+            decoder = self.model.get_decoder()
+            out = decoder(input_ids=ids, position_ids=positions, use_cache=True,
+                          **{cache_kwarg(type(decoder)): state.cache})
+            small = torch.nn.functional.linear(out.last_hidden_state[0, -1], self.lm_rows, self.lm_bias)
+            logits = small.new_full((self.draft_vocab,), float("-inf"))
+            return logits.index_copy_(0, self.rows, small)
         return step
 
     def extra_parameters(self) -> int:
-        """The whole draft model stays resident."""
-        return sum(p.numel() for p in self.model.parameters())
+        """The whole draft model stays resident (plus the gathered LM-head rows of a draft vocabulary)."""
+        rows = 0 if self.lm_rows is None else self.lm_rows.numel()
+        return sum(p.numel() for p in self.model.parameters()) + rows
 
     def kv_bytes_per_token(self) -> int:
         """The draft model's own full KV cache."""
         return kv_bytes_per_token(self.model.config, model_dtype(self.model))
+
+
+def frequent_token_ids(tokenizer, k: int) -> torch.Tensor:
+    """The ``k`` lowest ids of a BPE vocabulary (merge rank, a proxy for frequency) plus every special or added token."""
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return torch.tensor(sorted(set(range(min(k, len(tokenizer)))) | special), dtype=torch.long)
