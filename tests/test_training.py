@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from conftest import hf_greedy, tiny_model
 from selfspec.checkpoint import load_heads
 from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.errors import SelfspecError
 from selfspec.train.config import TrainConfig, parse_config
 from selfspec.train.loop import train
 from test_data import make_tokenizer
@@ -75,6 +76,19 @@ def test_resume_reproduces_the_uninterrupted_run(chat_file: Path, tmp_path: Path
     a, b = load_file(str(full / "heads.safetensors")), load_file(str(resumed / "heads.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _losses(tmp_path / "full")[4:] == _losses(tmp_path / "cut")[4:]
+
+
+def test_init_from_continues_from_a_heads_folder(chat_file: Path, tmp_path: Path) -> None:
+    """A continued run starts at the given heads (lr 0 leaves them exactly there) and keeps their draft vocabulary."""
+    tok = make_tokenizer()
+    first = train(_cfg("eagle", chat_file, tmp_path / "a", head_args={"draft_vocab_size": 200}),
+                  tiny_model(0, vocab=VOCAB), tok)
+    again = train(_cfg("eagle", chat_file, tmp_path / "b", head_args={"draft_vocab_size": 200}, init_from=str(first),
+                       learning_rate=0.0, epochs=1), tiny_model(0, vocab=VOCAB), tok)
+    a, b = load_file(str(first / "heads.safetensors")), load_file(str(again / "heads.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SelfspecError, match="does not fit"):
+        train(_cfg("eagle", chat_file, tmp_path / "c", init_from=str(first)), tiny_model(0, vocab=VOCAB), tok)
 
 
 def test_flags_map_onto_the_config(tmp_path: Path) -> None:

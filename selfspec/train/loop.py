@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ..checkpoint import save_heads
+from ..checkpoint import load_heads, save_heads
 from ..data import load_chat_dataset
 from ..errors import SelfspecError
 from ..heads import init_heads
@@ -152,9 +152,19 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
         target, tokenizer = load_model(cfg.base_model, device=accelerator.device)
     target.eval().requires_grad_(False)  # frozen: no gradients, no optimizer state
     heads = init_heads(cfg.family, target, **cfg.head_args).float()
+    if cfg.init_from:
+        start, _ = load_heads(target, cfg.init_from, tokenizer=tokenizer)
+        if start.config.family != cfg.family:
+            raise SelfspecError(f"--init-from {cfg.init_from} holds {start.config.family} heads, not {cfg.family}")
+        try:
+            heads.load_state_dict(start.float().state_dict(), strict=True)
+        except RuntimeError as exc:
+            raise SelfspecError(f"--init-from {cfg.init_from} does not fit --head-arg {cfg.head_args}: "
+                                f"{str(exc).splitlines()[-1].strip()}") from exc
     train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
     eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
-    set_draft_vocab(heads, train_ex, target.get_output_embeddings().out_features)
+    if not cfg.init_from:  # a continued run keeps its draft vocabulary
+        set_draft_vocab(heads, train_ex, target.get_output_embeddings().out_features)
     keys = feature_keys(cfg.family)
     if cfg.cache_features:
         with accelerator.main_process_first():
