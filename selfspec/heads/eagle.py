@@ -3,9 +3,11 @@
 Pair t of a sequence is (f_t, x_{t+1}): the target's final hidden state at position t and the token
 that follows. The head maps it to
 
-    fc(concat(f_t, embed(x_{t+1})))  ->  one decoder layer (+ its own final norm)  ->  f^_{t+1}
+    fc(concat(norm(f_t), norm(embed(x_{t+1}))))  ->  one decoder layer (+ its own final norm)  ->  f^_{t+1}
 
-and the target's frozen LM head on f^_{t+1} predicts x_{t+2}. Feeding f^ back in place of the true
+and the target's frozen LM head on f^_{t+1} predicts x_{t+2}. The two inputs are RMS-normalised
+(learned scales) before they meet, as in EAGLE-3: a final hidden state is often 10x longer than a
+token embedding, and without the norms the token, which the head most needs, is drowned. Feeding f^ back in place of the true
 feature drafts further ahead. The layer is a 1-layer instance of the target's base-model class built
 with ``AutoModel.from_config`` (its embedding removed: inputs arrive as ``inputs_embeds``), so rotary
 embeddings, attention kernels, 4-D masks and the KV cache are transformers' own for any standard
@@ -25,12 +27,15 @@ from .config import EagleConfig
 
 
 class EagleHead(HeadsModule):
-    """The trained part: ``fc`` (2H -> H), one decoder layer, its final norm; ``d2t`` (draft -> target ids)."""
+    """The trained part: input norms, ``fc`` (2H -> H), one decoder layer, its final norm; ``d2t`` (draft -> target ids)."""
 
     def __init__(self, config: EagleConfig, target_config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         hidden = text_config(target_config).hidden_size
+        eps = getattr(text_config(target_config), "rms_norm_eps", 1e-6)
+        self.feature_norm = nn.RMSNorm(hidden, eps=eps)
+        self.embed_norm = nn.RMSNorm(hidden, eps=eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         layer_config = config_with_layers(target_config, 1, intermediate_size=config.intermediate_size,
                                           vocab_size=1, pad_token_id=None, bos_token_id=None,
@@ -50,7 +55,7 @@ class EagleHead(HeadsModule):
         ``cache`` (appended to, or None for training) holds earlier pairs; ``attention_mask`` is None
         (causal) or a 4-D boolean tree mask (B, 1, n, cached + n).
         """
-        x = self.fc(torch.cat([features, token_embeds], dim=-1))
+        x = self.fc(torch.cat([self.feature_norm(features), self.embed_norm(token_embeds)], dim=-1))
         kwargs = {cache_kwarg(type(self.decoder)): cache}
         out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
                            use_cache=cache is not None, **kwargs)
