@@ -154,21 +154,25 @@ def head_loss(family: str, heads: nn.Module, target: nn.Module, batch: dict[str,
 @torch.no_grad()
 def depth_accuracy(family: str, heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor],
                    max_depth: int = 4) -> tuple[list[int], list[int]]:
-    """(correct, total) top-1 counts per draft depth against the data's tokens, on assistant positions.
+    """(correct, total) top-1 counts per draft depth against the *target's* greedy token, on assistant positions.
 
-    Depth d means: the token d places after the root. Medusa head d-1; EAGLE unrolled d times on its own
-    predicted features (teacher-forced tokens, the cache a depth-d draft sees); early exit has depth 1 only.
+    The target's greedy token after each true prefix (argmax of its LM head on ``f``) is what greedy
+    verification accepts, so this is teacher-forced acceptance; on self-distilled data it is also the
+    data's token. Depth d means: the token d places after the root. Medusa head d-1; EAGLE unrolled d
+    times on its own predicted features (teacher-forced tokens, the cache a depth-d draft sees); early
+    exit has depth 1 only.
     """
     x, m = batch["input_ids"], batch["loss_mask"].bool()
     correct, total = [0] * max_depth, [0] * max_depth
     T = x.shape[1]
+    greedy = torch.cat([x[:, :1], _lm(target, batch["f"][:, :-1]).argmax(-1)], dim=1)  # greedy[:, j] follows x[:, :j]
 
-    def score(d: int, predicted: torch.Tensor, first: int) -> None:  # predicted[:, j] guesses x[:, first + j]
+    def score(d: int, predicted: torch.Tensor, first: int) -> None:  # predicted[:, j] guesses greedy[:, first + j]
         n = min(predicted.shape[1], T - first)
         if n <= 0:
             return
         keep = m[:, first:first + n]
-        correct[d - 1] += int(((predicted[:, :n] == x[:, first:first + n]) & keep).sum())
+        correct[d - 1] += int(((predicted[:, :n] == greedy[:, first:first + n]) & keep).sum())
         total[d - 1] += int(keep.sum())
 
     if family == "medusa":
