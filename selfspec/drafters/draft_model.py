@@ -120,6 +120,10 @@ class DraftModelDrafter(Drafter):
 
 
 def frequent_token_ids(tokenizer, k: int) -> torch.Tensor:
-    """The ``k`` lowest ids of a BPE vocabulary (merge rank, a proxy for frequency) plus every special or added token."""
+    """The ``k`` lowest ids of a BPE vocabulary (merge rank, a proxy for frequency) plus every special or added token.
+
+    A rough proxy: on Qwen2.5-Coder with k = 32768 it cut tau on code prompts (9.1 -> 4.6 on one
+    HumanEval prompt), so counting token frequencies on real data is the better choice where available.
+    """
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
     return torch.tensor(sorted(set(range(min(k, len(tokenizer)))) | special), dtype=torch.long)
