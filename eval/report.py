@@ -56,6 +56,16 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, path: Path) -> Path:
+    """Lay out, write and close one figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plots(report: dict, folder: Path) -> list[Path]:
     """speedup per category per method; speedup against added memory; acceptance per depth."""
     import matplotlib
@@ -78,10 +88,7 @@ def plots(report: dict, folder: Path) -> list[Path]:
     ax.set_ylabel(f"speedup vs {report['summary']['baseline']}")
     ax.set_title(f"{report['setup']['model']}: speedup by category")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.append(folder / "speedup_by_category.png")
-    fig.savefig(out[-1], dpi=120)
-    plt.close(fig)
+    out.append(_save(fig, folder / "speedup_by_category.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in methods:
@@ -94,10 +101,7 @@ def plots(report: dict, folder: Path) -> list[Path]:
     ax.set_ylabel("overall speedup")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_title("speedup against added memory")
-    fig.tight_layout()
-    out.append(folder / "speedup_vs_memory.png")
-    fig.savefig(out[-1], dpi=120)
-    plt.close(fig)
+    out.append(_save(fig, folder / "speedup_vs_memory.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in methods:
@@ -110,10 +114,7 @@ def plots(report: dict, folder: Path) -> list[Path]:
     ax.set_title("acceptance per depth (all questions)")
     if ax.lines:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.append(folder / "acceptance_by_depth.png")
-    fig.savefig(out[-1], dpi=120)
-    plt.close(fig)
+    out.append(_save(fig, folder / "acceptance_by_depth.png"))
     return out
 
 
