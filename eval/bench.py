@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nodes", type=int, default=16, help="selfspec: largest draft tree, root included")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="selfspec draft-model: draft over this many frequent token ids only (0: the whole vocabulary)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="selfspec draft-model: draft with the draft model alone (default: prompt lookup first where "
+                        "the context repeats itself, the draft model elsewhere)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -197,7 +200,7 @@ def bench(args: argparse.Namespace) -> dict:
     heads = heads_folders(args.model, args.heads)
     names = args.methods.split(",") if args.methods else [
         m for m in BASE_METHODS if draft is not None or m not in ("hf-assisted", "draft-model")] + list(heads)
-    methods = build_methods(names, target, tok, draft, heads, args.draft_vocab)
+    methods = build_methods(names, target, tok, draft, heads, args.draft_vocab, lookup=not args.no_lookup)
     log = out / "runs.jsonl"
     if not args.report_only:
         prompts = load_bench_prompts(args.prompts.split(","), args.n, tok, args.max_prompt_tokens)

@@ -20,6 +20,7 @@ from torch import nn
 from selfspec.checkpoint import load_heads, read_heads_json
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_model import DraftModelDrafter, frequent_token_ids
+from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
@@ -103,10 +104,11 @@ def heads_folders(model_name: str, extra: list[str]) -> dict[str, str]:
 
 
 def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Module | None,
-                  heads: dict[str, str], draft_vocab: int = 0) -> list[Method]:
+                  heads: dict[str, str], draft_vocab: int = 0, lookup: bool = True) -> list[Method]:
     """The requested methods, in order; one-line errors for a method that lacks what it needs.
 
     ``draft_vocab`` > 0: selfspec's draft-model drafts over that many frequent token ids only.
+    ``lookup``: selfspec's draft-model drafts by prompt lookup where the context repeats itself.
     """
     out = []
     vocab = target.get_output_embeddings().out_features
@@ -121,7 +123,8 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
             out.append(Method(name, "selfspec"))
         elif name == "draft-model":
             rows = frequent_token_ids(tokenizer, draft_vocab) if draft_vocab else None
-            out.append(Method(name, "selfspec", DraftModelDrafter(draft, vocab, draft_vocab=rows)))
+            drafter = DraftModelDrafter(draft, vocab, draft_vocab=rows)
+            out.append(Method(name, "selfspec", LookupFirstDrafter(drafter) if lookup else drafter))
         elif name == "prompt-lookup":
             out.append(Method(name, "selfspec", PromptLookupDrafter()))
         elif name in heads:

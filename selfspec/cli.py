@@ -43,6 +43,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def build_drafter(args: argparse.Namespace, model, tokenizer):
     """The drafter named by ``--drafter`` / ``--heads`` (None for plain decoding)."""
     from .drafters.draft_model import DraftModelDrafter
+    from .drafters.lookup_first import LookupFirstDrafter
     from .drafters.prompt_lookup import PromptLookupDrafter
     from .zoo import load_model
 
@@ -60,7 +61,8 @@ def build_drafter(args: argparse.Namespace, model, tokenizer):
     if draft_tok.get_vocab() != tokenizer.get_vocab():
         raise SelfspecError(f"--draft-model {args.draft_model} has a different tokenizer from --model {args.model}: "
                             "a separate draft model must share the target's tokenizer")
-    return DraftModelDrafter(draft, target_vocab_size=model.get_output_embeddings().out_features)
+    drafter = DraftModelDrafter(draft, target_vocab_size=model.get_output_embeddings().out_features)
+    return drafter if args.no_lookup else LookupFirstDrafter(drafter)
 
 
 def decode_config(args: argparse.Namespace):
@@ -141,6 +143,9 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup")
     p.add_argument("--draft-model", help="zoo name, folder or hub id of the separate draft model")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="draft-model: draft with the draft model alone (default: prompt lookup first where the "
+                        "context repeats itself, the draft model elsewhere)")
     p.add_argument("--heads", help="a selfspec heads checkpoint folder (overrides --drafter)")
     p.add_argument("--max-depth", type=int, default=16, help="deepest draft (adaptive picks up to this)")
     p.add_argument("--max-nodes", type=int, default=16, help="largest draft tree, root included")
