@@ -21,7 +21,7 @@ def markdown(report: dict) -> str:
              f"{s['questions']} questions, {setup['max_new_tokens']} new tokens, greedy, {setup['dtype']}, "
              f"{setup['device']}; methods interleaved per question after a warm-up. Speedup is against "
              f"`{s['baseline']}`; identical = greedy output equal to `{s['baseline']}`'s.", ""]
-    if "draft-model" in cats[OVERALL] and not setup.get("no_lookup"):
+    if "draft-model" in s["categories"][OVERALL] and not setup.get("no_lookup"):
         lines += ["selfspec `draft-model` drafts by prompt lookup where the context repeats itself (an n-gram of "
                   "3+ tokens seen before) and with the draft model elsewhere (`--no-lookup`: the draft model alone).", ""]
     cats = s["categories"]

@@ -150,19 +150,22 @@ def test_bench_small_run_writes_report(tmp_path):
     from selfspec.cli import main
 
     out = tmp_path / "bench"
-    code = main(["bench", "--model", "smollm2-135m-instruct", "--methods", "hf,plain,prompt-lookup", "--n", "1",
-                 "--max-new-tokens", "8", "--memory-budget", "600MiB,1GiB", "--out", str(out)])
+    methods = "hf,hf-assisted,plain,draft-model,prompt-lookup"  # the target doubles as its own draft model
+    code = main(["bench", "--model", "smollm2-135m-instruct", "--draft-model", "smollm2-135m-instruct",
+                 "--methods", methods, "--n", "1", "--max-new-tokens", "8", "--memory-budget", "600MiB,1GiB",
+                 "--out", str(out)])
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     overall = report["summary"]["categories"]["overall"]
-    assert overall["plain"]["identical"] == overall["prompt-lookup"]["identical"] == 2
-    assert {r["method"] for r in report["budgets"]} == {"hf", "plain", "prompt-lookup"}
+    assert [overall[m]["identical"] for m in methods.split(",")] == [2] * 5
+    assert {r["method"] for r in report["budgets"]} == set(methods.split(","))
     assert [r["fits"] for r in report["budgets"] if r["method"] == "plain"] == [False, True]  # 513 MiB of weights
     for name in ("report.md", "speedup_by_category.png", "speedup_vs_memory.png", "acceptance_by_depth.png"):
         assert (out / name).stat().st_size > 0
+    assert "prompt lookup where the context repeats" in (out / "report.md").read_text()
     # resumed: nothing re-runs, the same report comes back
-    assert main(["bench", "--model", "smollm2-135m-instruct", "--methods", "hf,plain,prompt-lookup",
-                 "--out", str(out), "--report-only", "--no-plots"]) == 0
+    assert main(["bench", "--model", "smollm2-135m-instruct", "--draft-model", "smollm2-135m-instruct",
+                 "--methods", methods, "--out", str(out), "--report-only", "--no-plots"]) == 0
 
 
 def test_bench_bad_model_is_one_line(capsys):

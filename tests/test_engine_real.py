@@ -1,4 +1,5 @@
-"""The lossless invariant on a real model: SmolLM2-135M-Instruct, greedy, prompt lookup and a separate draft."""
+"""The lossless invariant on a real model: SmolLM2-135M-Instruct, greedy, prompt lookup and a separate draft
+(alone and behind prompt lookup)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from selfspec.data import apply_chat_template
 from selfspec.drafters.draft_model import DraftModelDrafter
+from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 
@@ -45,7 +47,8 @@ def test_prompt_lookup_equals_greedy(smol, prompt: str) -> None:
     assert got.tokens == _reference(model, ids, 64)
 
 
-def test_separate_draft_model_equals_greedy(smol) -> None:
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_separate_draft_model_equals_greedy(smol, lookup_first: bool) -> None:
     """The draft is a 6-layer copy of the target's own weights (a small second model with the same tokenizer)."""
     from transformers import AutoModelForCausalLM
 
@@ -57,7 +60,8 @@ def test_separate_draft_model_equals_greedy(smol) -> None:
     missing = draft.load_state_dict(model.state_dict(), strict=False)
     assert not missing.missing_keys  # only the target's deeper layers are left over
     ids = apply_chat_template(tok, [{"role": "user", "content": PROMPTS[0]}])
-    got = SpeculativeEngine(model, DraftModelDrafter(draft), tok).generate(
+    drafter = LookupFirstDrafter(DraftModelDrafter(draft)) if lookup_first else DraftModelDrafter(draft)
+    got = SpeculativeEngine(model, drafter, tok).generate(
         ids, DecodeConfig(max_new_tokens=48, max_depth=4, adaptive=False))
     assert got.tokens == _reference(model, ids, 48)
     assert got.stats.mean_accepted > 1.0
