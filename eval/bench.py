@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a heads checkpoint to benchmark (repeatable); checkpoints/<model>-<family> are added "
                         "automatically")
     p.add_argument("--methods", help="comma-separated, in order (default: every available one of "
-                   f"{', '.join(BASE_METHODS)}, medusa, eagle, early-exit)")
+                   f"{', '.join(BASE_METHODS)}, medusa, eagle, early-exit); a head method with "
+                   "'+lookup' (e.g. eagle+lookup) drafts by prompt lookup first where the context repeats itself")
     p.add_argument("--prompts", default="code,chat",
                    help="comma-separated sources: chat (ShareGPT held-out), code (HumanEval), or jsonl/json files "
                         "with 'prompt' records or MT-bench questions (question_id, category, turns)")

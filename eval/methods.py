@@ -6,6 +6,7 @@
     draft-model    selfspec with the separate draft model
     prompt-lookup  selfspec with n-gram drafts from the context
     medusa / eagle / early-exit   selfspec with a heads checkpoint (one method per checkpoint)
+    <head>+lookup  the same heads, with prompt lookup first where the context repeats itself
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
     """The requested methods, in order; one-line errors for a method that lacks what it needs.
 
     ``draft_vocab`` > 0: selfspec's draft-model drafts over that many frequent token ids only.
-    ``lookup``: selfspec's draft-model drafts by prompt lookup where the context repeats itself.
+    ``lookup``: selfspec's draft-model drafts by prompt lookup where the context repeats itself
+    (a head method asks for it by name: ``eagle+lookup``).
     """
     out = []
     vocab = target.get_output_embeddings().out_features
@@ -127,11 +129,14 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
             out.append(Method(name, "selfspec", LookupFirstDrafter(drafter) if lookup else drafter))
         elif name == "prompt-lookup":
             out.append(Method(name, "selfspec", PromptLookupDrafter()))
-        elif name in heads:
-            drafter = load_heads(target, heads[name], tokenizer=tokenizer)[1]
-            out.append(Method(name, "selfspec", drafter, heads_dir=heads[name]))
+        elif name.removesuffix("+lookup") in heads:
+            folder = heads[name.removesuffix("+lookup")]
+            drafter = load_heads(target, folder, tokenizer=tokenizer)[1]
+            if name.endswith("+lookup"):
+                drafter = LookupFirstDrafter(drafter)
+            out.append(Method(name, "selfspec", drafter, heads_dir=folder))
         else:
-            known = ", ".join([*BASE_METHODS, *heads]) or "-"
+            known = ", ".join([*BASE_METHODS, *heads, *(f"{h}+lookup" for h in heads)]) or "-"
             raise SelfspecError(f"unknown or unavailable method '{name}' (available: {known}); "
                                 "head methods need a checkpoint in checkpoints/ or --heads FOLDER")
     return out

@@ -24,6 +24,9 @@ def markdown(report: dict) -> str:
     if "draft-model" in s["categories"][OVERALL] and not setup.get("no_lookup"):
         lines += ["selfspec `draft-model` drafts by prompt lookup where the context repeats itself (an n-gram of "
                   "3+ tokens seen before) and with the draft model elsewhere (`--no-lookup`: the draft model alone).", ""]
+    if any(m.endswith("+lookup") for m in s["categories"][OVERALL]):
+        lines += ["`<heads>+lookup`: the same heads, drafting by prompt lookup where the context repeats itself "
+                  "and with the heads elsewhere.", ""]
     cats = s["categories"]
     for cat in [OVERALL, *[c for c in cats if c != OVERALL]]:
         table = cats[cat]

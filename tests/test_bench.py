@@ -111,6 +111,26 @@ def test_heads_prediction_matches_counted(family):
         assert pred.kv_per_token == 0  # medusa has no cache; early exit drafts in the target's own layers
 
 
+def test_head_method_with_lookup_wraps_the_same_heads(tmp_path):
+    """``eagle+lookup``: the checkpoint's drafter behind prompt lookup, same memory, output equal to plain."""
+    from selfspec.checkpoint import save_heads
+    from selfspec.drafters.lookup_first import LookupFirstDrafter
+    from selfspec_eval.methods import build_methods
+
+    target = tiny_model(0, vocab=64)
+    save_heads(init_heads("eagle", target, draft_vocab_size=32), target, tmp_path / "e")
+    plain, heads, both = build_methods(["plain", "eagle", "eagle+lookup"], target, None, None,
+                                       {"eagle": str(tmp_path / "e")})
+    assert isinstance(both.drafter, LookupFirstDrafter) and not isinstance(heads.drafter, LookupFirstDrafter)
+    assert both.heads_dir == heads.heads_dir
+    assert predict_added(target, both.drafter, 16) == predict_added(target, heads.drafter, 16)
+    ids = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # repeats: lookup drafts
+    runs = [m.run(target, ids, 24, 4, 8) for m in (plain, heads, both)]
+    assert runs[1].tokens == runs[0].tokens and runs[2].tokens == runs[0].tokens
+    with pytest.raises(SelfspecError, match="medusa\\+lookup|available: .*eagle\\+lookup"):
+        build_methods(["medusa+lookup"], target, None, None, {"eagle": str(tmp_path / "e")})
+
+
 def test_prompt_lookup_adds_only_the_tree():
     target = tiny_model(0, vocab=64)
     drafter = PromptLookupDrafter()

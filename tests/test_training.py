@@ -119,3 +119,36 @@ def test_eagle_unroll_sees_what_drafting_sees():
                     torch.testing.assert_close(feat[0, 0], steps[k - 1][b, t], atol=1e-5, rtol=1e-5)
                     if k < 3:
                         feat = eagle_step(head, target, feat, x[b:b + 1, t + k + 1:t + k + 2], t + k, None, cache)
+
+
+def test_feature_cache_resumes_grows_and_rebuilds(tmp_path: Path, monkeypatch) -> None:
+    """Shards already on disk are reused when they hold the right examples; new examples cost only new shards."""
+    from selfspec.train import features
+
+    monkeypatch.setattr(features, "SHARD", 4)
+    calls = []
+
+    def fn(ids):
+        calls.append(ids.shape[1])
+        return {"f": ids[..., None].float().expand(-1, -1, 3) + 0.5}
+
+    examples = [{"input_ids": torch.arange(1, 3 + i % 5) * (i + 1), "loss_mask": torch.ones(2 + i % 5, dtype=torch.long)}
+                for i in range(14)]
+    sig = {"base": "tiny", "data": "x", "max_examples": 10}
+    cache = features.build_feature_cache(fn, examples[:10], ("f",), tmp_path, signature=sig)
+    assert len(calls) == 10 and len(cache) == 10
+    assert torch.equal(cache[7]["f"], fn(examples[7]["input_ids"][None])["f"][0].to(torch.bfloat16).float())
+    calls.clear()
+    assert len(features.build_feature_cache(fn, examples[:10], ("f",), tmp_path, signature=sig)) == 10
+    assert calls == []  # complete: nothing runs again
+    (tmp_path / "index.json").unlink()
+    (tmp_path / "shard-00001.safetensors").unlink()  # as if killed while writing shard 1
+    features.build_feature_cache(fn, examples[:10], ("f",), tmp_path, signature=sig)
+    assert len(calls) == 4  # only shard 1 again
+    calls.clear()
+    grown = features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "max_examples": 14})
+    assert len(calls) == 6 and len(grown) == 14  # the old partial shard 2 (8, 9) is redone with 10, 11; then 12, 13
+    assert all(torch.equal(grown[i]["input_ids"], examples[i]["input_ids"]) for i in range(14))
+    calls.clear()
+    features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "base": "other"})
+    assert len(calls) == 14  # another model: everything is rebuilt

@@ -3,7 +3,7 @@
 An example is ``input_ids`` and ``loss_mask`` (1 on assistant tokens) plus the target's hidden
 states at the layers the head family learns from. Running the target is most of the cost of an
 epoch, so with caching it runs once: tensors go to safetensors shards (bf16) under the run folder,
-an index is written last, and an interrupted caching pass resumes at the first missing shard.
+an index is written last; an interrupted pass resumes, and a larger run reuses the shards it shares.
 """
 
 from __future__ import annotations
@@ -52,41 +52,69 @@ class FeatureCache(Dataset):
                     for k in self.keys}
 
 
+VOLATILE = ("count", "max_examples")  # a cache grows or shrinks with these; any other change rebuilds it
+
+
+def _stable(signature: dict) -> dict:
+    return {k: v for k, v in signature.items() if k not in VOLATILE}
+
+
+def _shard_holds(path: Path, examples: list[dict[str, torch.Tensor]], first: int, last: int,
+                 keys: tuple[str, ...]) -> bool:
+    """Whether a shard on disk holds exactly examples first..last-1 (same tokens, every key)."""
+    if not path.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        wanted = {f"{i}.{k}" for i in range(first, last) for k in (*TOKEN_KEYS, *keys)}
+        if names != wanted:
+            return False
+        return all(torch.equal(f.get_tensor(f"{i}.input_ids"), examples[i]["input_ids"]) for i in range(first, last))
+
+
 def build_feature_cache(feature_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
                         examples: list[dict[str, torch.Tensor]], keys: tuple[str, ...], folder: Path,
                         device: torch.device | str = "cpu", signature: dict | None = None) -> FeatureCache:
     """Run ``feature_fn`` ((1, T) ids -> {key: (1, T, H)}) over ``examples`` once and store it all.
 
-    ``signature`` (base model, family, data settings) is stored with the cache: a complete cache with
-    the same signature is reused, shards of an interrupted pass with it are kept, anything else is rebuilt.
+    ``signature`` (base model, family, data settings) is stored with the cache. With the same
+    signature, every shard already on disk that holds exactly the examples it should is kept: an
+    interrupted pass resumes, and a run with more examples (``max_examples``) computes only the new
+    shards. A different model, family or data setting rebuilds the cache.
     """
     folder = Path(folder)
     signature = {**(signature or {}), "count": len(examples), "keys": list(keys)}
     sig_file = folder / "signature.json"
-    if sig_file.is_file() and json.loads(sig_file.read_text()) != signature:
+    if sig_file.is_file() and _stable(json.loads(sig_file.read_text())) != _stable(signature):
         for stale in folder.glob("*"):  # made for another model, family or data: start over
             stale.unlink()
-    if (folder / "index.json").is_file():
+    index = folder / "index.json"
+    if index.is_file() and json.loads(index.read_text())["count"] == len(examples):
         return FeatureCache(folder)
+    index.unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     sig_file.write_text(json.dumps(signature))
-    shards = (len(examples) + SHARD - 1) // SHARD
-    for s in tqdm(range(shards), desc="cache target features", unit="shard"):
+    bar = tqdm(total=len(examples), desc="cache target features", unit="conv")
+    for s in range((len(examples) + SHARD - 1) // SHARD):
+        first, last = s * SHARD, min((s + 1) * SHARD, len(examples))
         path = folder / f"shard-{s:05d}.safetensors"
-        if path.is_file():
-            continue  # written whole by an earlier, interrupted pass
+        if _shard_holds(path, examples, first, last, keys):
+            bar.update(last - first)  # written whole by an earlier pass
+            continue
         tensors = {}
-        for i in range(s * SHARD, min((s + 1) * SHARD, len(examples))):
+        for i in range(first, last):
             ex = examples[i]
             feats = feature_fn(ex["input_ids"][None].to(device))
             tensors[f"{i}.input_ids"] = ex["input_ids"]
             tensors[f"{i}.loss_mask"] = ex["loss_mask"]
             for k in keys:
                 tensors[f"{i}.{k}"] = feats[k][0].to(torch.bfloat16).cpu().contiguous()
+            bar.update(1)
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp))
         tmp.rename(path)
-    (folder / "index.json").write_text(json.dumps({"count": len(examples), "keys": [*TOKEN_KEYS, *keys]}))
+    bar.close()
+    index.write_text(json.dumps({"count": len(examples), "keys": [*TOKEN_KEYS, *keys]}))
     return FeatureCache(folder)
 
 
