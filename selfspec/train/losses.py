@@ -108,21 +108,22 @@ def eagle_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor
     """Feature regression + soft cross-entropy to the target's next-token distribution, over ``steps`` unrolled steps."""
     x, m, f = batch["input_ids"], batch["loss_mask"].bool(), batch["f"]
     rows = inner(head).d2t
+    with torch.no_grad():  # the target's distribution at every loss position, once for all steps
+        teacher = F.softmax(_lm(target, f[m].float(), rows), -1)
+    position = torch.arange(f.shape[1], device=f.device).expand_as(m)[m]  # of each teacher row
     total, logs = f.new_zeros(()), {}
     for k, pred in enumerate(eagle_unroll(head, target, f, x, steps), start=1):
         n = pred.shape[1] - (k - 1)  # rows t with t + k inside the sequence
         if n <= 0:
             break
-        keep = m[:, k:k + n]
+        keep = m[:, k:k + n]  # step k's row t guesses position t + k: the loss positions >= k, in order
         if not keep.any():
             continue
         truth = f[:, k:k + n][keep].float()
         guess = pred[:, :n][keep].float()
         reg = F.smooth_l1_loss(guess, truth)
         draft_logp = F.log_softmax(_lm(target, guess, rows), -1)
-        with torch.no_grad():
-            teacher = F.softmax(_lm(target, truth, rows), -1)
-        soft_ce = -(teacher * draft_logp).sum(-1).mean()
+        soft_ce = -(teacher[position >= k] * draft_logp).sum(-1).mean()
         total = total + decay ** (k - 1) * (reg + token_weight * soft_ce)
         logs[f"reg{k}"], logs[f"soft_ce{k}"] = reg.item(), soft_ce.item()
     return total, logs
