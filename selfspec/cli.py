@@ -50,7 +50,8 @@ def build_drafter(args: argparse.Namespace, model, tokenizer):
     if getattr(args, "heads", None):
         from .checkpoint import load_heads
 
-        return load_heads(model, args.heads, tokenizer=tokenizer)[1]
+        drafter = load_heads(model, args.heads, tokenizer=tokenizer)[1]
+        return LookupFirstDrafter(drafter) if args.lookup else drafter
     if args.drafter == "none":
         return None
     if args.drafter == "prompt-lookup":
@@ -147,6 +148,8 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
                    help="draft-model: draft with the draft model alone (default: prompt lookup first where the "
                         "context repeats itself, the draft model elsewhere)")
     p.add_argument("--heads", help="a selfspec heads checkpoint folder (overrides --drafter)")
+    p.add_argument("--lookup", action="store_true",
+                   help="heads: draft by prompt lookup where the context repeats itself, with the heads elsewhere")
     p.add_argument("--max-depth", type=int, default=16, help="deepest draft (adaptive picks up to this)")
     p.add_argument("--max-nodes", type=int, default=16, help="largest draft tree, root included")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --max-depth")

@@ -85,3 +85,17 @@ def test_lookup_first_sampling_is_lossless(monkeypatch) -> None:
     engine = SpeculativeEngine(target, LookupFirstDrafter(DraftModelDrafter(draft), min_ngram=1, min_depth=1))
     samples = sampling_test.draw(engine, 1)
     assert sampling_test.chi_square_pvalue(samples, sampling_test.exact_joint(target)) > sampling_test.ALPHA
+
+
+def test_generate_flags_put_heads_behind_lookup(tmp_path):
+    """``selfspec generate --heads F --lookup``: the checkpoint's drafter wrapped by lookup; without it, bare."""
+    from selfspec.checkpoint import save_heads
+    from selfspec.cli import build_drafter, build_parser
+
+    model = tiny_model(0, vocab=64)
+    save_heads(init_heads("medusa", model), model, tmp_path)
+    argv = ["generate", "--prompt", "x", "--heads", str(tmp_path)]
+    bare = build_drafter(build_parser().parse_args(argv), model, None)
+    wrapped = build_drafter(build_parser().parse_args(argv + ["--lookup"]), model, None)
+    assert isinstance(wrapped, LookupFirstDrafter) and not isinstance(bare, LookupFirstDrafter)
+    assert type(wrapped.inner) is type(bare)
