@@ -194,3 +194,21 @@ def test_bench_bad_model_is_one_line(capsys):
     code = main(["--model", "/nonexistent/model/folder", "--out", "/tmp/x"])
     assert code == 2
     assert "selfspec bench: error:" in capsys.readouterr().err
+
+
+def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
+    from selfspec_eval.verify_cost import forward_ms, measure, parse_ks, table
+
+    model = tiny_model(4)
+    cache = new_cache(model)
+    with torch.no_grad():
+        forward_with_cache(model, torch.tensor([[1, 2, 3, 4, 5]]), cache)
+    assert forward_ms(model, cache, 3, 64) > 0
+    assert cache.get_seq_length() == 5  # the k timed tokens were cropped off again
+    medians = measure(model, context=6, ks=[1, 4], reps=2)
+    assert list(medians) == [1, 4] and all(ms > 0 for ms in medians.values())
+    assert table({1: 10.0, 4: 15.0}).splitlines()[2:] == ["| 1 | 10.0 | 1.00 |", "| 4 | 15.0 | 1.50 |"]
+    assert parse_ks("1,2,8") == [1, 2, 8]
+    for bad in ("", "0,2", "two"):
+        with pytest.raises(SelfspecError, match="--k takes positive integers"):
+            parse_ks(bad)

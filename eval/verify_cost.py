@@ -1,0 +1,103 @@
+"""What verifying k tokens in one target pass costs on this machine: the curve that bounds a draft's size.
+
+    python -m selfspec_eval.verify_cost --model smollm2-135m-instruct --context 300 --k 1,2,4,8,16
+
+A forward of k new tokens over a ``--context``-token KV cache, timed for every k in turn within
+each repetition (so the ks share the machine's noise), the cache cropped back after each. Prints
+the median milliseconds and the ratio to k = 1: speculation pays only when τ exceeds that ratio
+plus the drafting time. The adaptive controller (``selfspec/adaptive.py``) learns the same slope
+online; this measures it up front, e.g. to choose ``--max-nodes`` for a machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from selfspec.errors import SelfspecError
+from selfspec.kv_cache import cache_length, new_cache, truncate
+from selfspec.verify import forward_with_cache
+from selfspec.zoo import load_model
+
+
+def forward_ms(model, cache, k: int, vocab: int) -> float:
+    """Milliseconds of one forward of k random tokens appended to ``cache`` (cropped back afterwards)."""
+    ids = torch.randint(0, vocab, (1, k), device=model.device)
+    before = cache_length(cache)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        forward_with_cache(model, ids, cache)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    elapsed = time.perf_counter() - start
+    truncate(cache, before)
+    return elapsed * 1e3
+
+
+def measure(model, context: int, ks: list[int], reps: int) -> dict[int, float]:
+    """Median ms per k over ``reps`` rounds, each round timing every k once (after one warm-up round)."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    cache = new_cache(model)
+    with torch.no_grad():
+        forward_with_cache(model, torch.randint(0, vocab, (1, context), device=model.device), cache)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for rep in range(reps + 1):
+        for k in ks:
+            ms = forward_ms(model, cache, k, vocab)
+            if rep:  # round 0 warms kernels and the allocator
+                times[k].append(ms)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def table(medians: dict[int, float]) -> str:
+    """Markdown: k, median ms, ratio to the smallest k."""
+    base = medians[min(medians)]
+    lines = ["| k | ms | x k=1 |", "|---|---|---|"]
+    lines += [f"| {k} | {ms:.1f} | {ms / base:.2f} |" for k, ms in medians.items()]
+    return "\n".join(lines)
+
+
+def parse_ks(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]; positive integers only."""
+    try:
+        ks = [int(k) for k in text.split(",")]
+    except ValueError:
+        ks = []
+    if not ks or min(ks) < 1:
+        raise SelfspecError(f"--k takes positive integers separated by commas, got '{text}'")
+    return ks
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name, folder or hub id")
+    p.add_argument("--context", type=int, default=300, help="tokens already in the cache")
+    p.add_argument("--k", default="1,2,4,8,16", help="new tokens per forward, comma-separated")
+    p.add_argument("--reps", type=int, default=7, help="timed rounds (median reported)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = p.parse_args(argv)
+    try:
+        ks = parse_ks(args.k)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        model, _ = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    except SelfspecError as exc:
+        print(f"verify_cost: error: {exc}", file=sys.stderr)
+        return 2
+    medians = measure(model, args.context, ks, args.reps)
+    print(f"{args.model}, {args.dtype}, {args.device}, cache {args.context} tokens, "
+          f"{torch.get_num_threads()} threads, median of {args.reps}")
+    print(table(medians))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
