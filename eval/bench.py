@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from selfspec.data import apply_chat_template, load_prompts
+from selfspec.engine import sync_device
 from selfspec.errors import SelfspecError
 from selfspec.memory import counted_bytes, parse_bytes, predict_target, storages
 from selfspec.zoo import load_model
@@ -76,16 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_one(method: Method, target, ids: list[int], args: argparse.Namespace) -> dict:
     """One turn through one method, as a JSON-ready row (CUDA peak memory when on a GPU)."""
     cuda = target.device.type == "cuda"
     if cuda:
-        _sync(target.device)
+        sync_device(target.device)
         torch.cuda.reset_peak_memory_stats(target.device)
     run = method.run(target, ids, args.max_new_tokens, args.max_depth, args.max_nodes)
     if cuda:

@@ -23,7 +23,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_model import DraftModelDrafter, frequent_token_ids
 from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
-from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.engine import DecodeConfig, SpeculativeEngine, sync_device
 from selfspec.errors import SelfspecError
 
 BASE_METHODS = ("hf", "hf-assisted", "plain", "draft-model", "prompt-lookup")
@@ -67,21 +67,16 @@ class Method:
                    s.draft_state_bytes, s.max_tree_nodes)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_hf(model: nn.Module, ids: list[int], max_new: int, assistant: nn.Module | None = None) -> Run:
     """transformers greedy ``generate`` (assisted when ``assistant`` is given)."""
     x = torch.tensor([ids], device=model.device)
     kwargs = {"assistant_model": assistant} if assistant is not None else {}
-    _sync(model.device)
+    sync_device(model.device)
     start = time.perf_counter()
     out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
                          pad_token_id=model.generation_config.pad_token_id, temperature=None, top_p=None, top_k=None,
                          **kwargs)
-    _sync(model.device)
+    sync_device(model.device)
     seconds = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
     eos = model.generation_config.eos_token_id

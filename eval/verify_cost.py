@@ -18,23 +18,24 @@ from collections.abc import Sequence
 
 import torch
 
+from selfspec.engine import sync_device
 from selfspec.errors import SelfspecError
 from selfspec.kv_cache import cache_length, new_cache, truncate
 from selfspec.verify import forward_with_cache
 from selfspec.zoo import load_model
+
+from .bench import DTYPES
 
 
 def forward_ms(model, cache, k: int, vocab: int) -> float:
     """Milliseconds of one forward of k random tokens appended to ``cache`` (cropped back afterwards)."""
     ids = torch.randint(0, vocab, (1, k), device=model.device)
     before = cache_length(cache)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    sync_device(model.device)
     start = time.perf_counter()
     with torch.no_grad():
         forward_with_cache(model, ids, cache)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    sync_device(model.device)
     elapsed = time.perf_counter() - start
     truncate(cache, before)
     return elapsed * 1e3
@@ -57,8 +58,9 @@ def measure(model, context: int, ks: list[int], reps: int) -> dict[int, float]:
 
 def table(medians: dict[int, float]) -> str:
     """Markdown: k, median ms, ratio to the smallest k."""
-    base = medians[min(medians)]
-    lines = ["| k | ms | x k=1 |", "|---|---|---|"]
+    first = min(medians)
+    lines = [f"| k | ms | x k={first} |", "|---|---|---|"]
+    base = medians[first]
     lines += [f"| {k} | {ms:.1f} | {ms / base:.2f} |" for k, ms in medians.items()]
     return "\n".join(lines)
 
@@ -80,15 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=300, help="tokens already in the cache")
     p.add_argument("--k", default="1,2,4,8,16", help="new tokens per forward, comma-separated")
     p.add_argument("--reps", type=int, default=7, help="timed rounds (median reported)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = p.parse_args(argv)
     try:
         ks = parse_ks(args.k)
+        if args.context < 1 or args.reps < 1:
+            raise SelfspecError(f"--context and --reps must be >= 1, got {args.context} and {args.reps}")
         if args.threads:
             torch.set_num_threads(args.threads)
-        model, _ = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        model, _ = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
     except SelfspecError as exc:
         print(f"verify_cost: error: {exc}", file=sys.stderr)
         return 2

@@ -72,7 +72,8 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for queued GPU work (a no-op on the CPU), so wall-clock timings are true."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -181,7 +182,7 @@ class SpeculativeEngine:
         state, hs = prefill(self.model, ids, need_hidden)
         ctx = DraftContext(state.tokens, state.cache_len, hs, state.cache)
         dstate = self.drafter.start(ctx) if self.drafter is not None else None  # the drafter's own prefill
-        _sync(self.device)
+        sync_device(self.device)
         stats.prefill_s = time.perf_counter() - start
         ctrl = AdaptiveDepth(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive)
         eos = eos_ids(self.model, cfg)
@@ -192,10 +193,10 @@ class SpeculativeEngine:
                 depth = min(ctrl.choose(), room - 1, cfg.max_nodes - 1) if self.drafter is not None else 0
                 t0 = time.perf_counter()
                 tree, dstate = draft(self.drafter, dstate, ctx, depth, cfg, gen)
-                _sync(self.device)
+                sync_device(self.device)
                 t1 = time.perf_counter()
                 ver = verify_tree(self.model, state.cache, tree, state.cache_len, hidden_states=need_hidden)
-                _sync(self.device)
+                sync_device(self.device)
                 t2 = time.perf_counter()
                 path, bonus = accept(tree, ver, cfg.sampling, gen)
                 state, new = commit(state, tree, path, bonus)
@@ -226,7 +227,7 @@ class SpeculativeEngine:
                                        f"expected {state.cache_len}")
                 dstate = self.drafter.observe(dstate, ctx) if self.drafter is not None else None
         finally:
-            _sync(self.device)
+            sync_device(self.device)
             stats.total_s = time.perf_counter() - start
 
     def generate(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig | None = None, streamer=None

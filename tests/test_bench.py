@@ -197,7 +197,7 @@ def test_bench_bad_model_is_one_line(capsys):
 
 
 def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
-    from selfspec_eval.verify_cost import forward_ms, measure, parse_ks, table
+    from selfspec_eval.verify_cost import forward_ms, main, measure, parse_ks, table
 
     model = tiny_model(4)
     cache = new_cache(model)
@@ -208,7 +208,9 @@ def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
     medians = measure(model, context=6, ks=[1, 4], reps=2)
     assert list(medians) == [1, 4] and all(ms > 0 for ms in medians.values())
     assert table({1: 10.0, 4: 15.0}).splitlines()[2:] == ["| 1 | 10.0 | 1.00 |", "| 4 | 15.0 | 1.50 |"]
+    assert table({2: 10.0, 8: 20.0}).splitlines()[0] == "| k | ms | x k=2 |"
     assert parse_ks("1,2,8") == [1, 2, 8]
+    assert main(["--context", "0"]) == 2  # a one-line error before any model is loaded
     for bad in ("", "0,2", "two"):
         with pytest.raises(SelfspecError, match="--k takes positive integers"):
             parse_ks(bad)
