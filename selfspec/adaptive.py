@@ -9,6 +9,10 @@ For depth k the expected gain is E(k) = 1 + sum_{d<=k} prod_{j<=d} alpha_j token
 C(k) = verify(1 + nodes_per_depth * k) + draft_per_depth * k. It picks the k with the best E/C, and
 when even that is below plain decoding's 1 / t1 it turns speculation off, probing again after a
 back-off that doubles while speculation keeps losing. The very first step is plain, to measure t1.
+
+``DepthPolicy`` keeps one controller per draft *source*: a drafter made of several (prompt lookup
+in front of heads) has each judged on its own record, so weak heads switching themselves off do not
+also silence free lookup drafts that the target keeps accepting.
 """
 
 from __future__ import annotations
@@ -101,3 +105,33 @@ class AdaptiveDepth:
         self.nodes_per_depth = _ema(self.nodes_per_depth, (nodes - 1) / depth)
         if self.t1 and nodes > 1:
             self.slope = max(_ema(self.slope, (verify_s / self.t1 - 1) / (nodes - 1)), 0.0)
+
+
+@dataclass
+class DepthPolicy:
+    """One ``AdaptiveDepth`` per draft source; plain-step timings are shared (a plain step is the same
+    whoever would have drafted)."""
+
+    max_depth: int
+    enabled: bool = True
+    t1: float | None = None
+    sources: dict[str, AdaptiveDepth] = field(default_factory=dict)
+
+    def controller(self, source: str) -> AdaptiveDepth:
+        """The source's controller; a new one starts from the plain-step time measured so far."""
+        if source not in self.sources:
+            self.sources[source] = AdaptiveDepth(self.max_depth, enabled=self.enabled, t1=self.t1)
+        return self.sources[source]
+
+    def choose(self, source: str) -> int:
+        """Depth ``source`` may draft to this step (0: it should not draft)."""
+        return self.controller(source).choose()
+
+    def record_plain(self, seconds: float) -> None:
+        self.t1 = _ema(self.t1, seconds)
+        for ctrl in self.sources.values():
+            ctrl.record_plain(seconds)
+
+    def record_speculative(self, source: str, depth: int, nodes: int, accepted: int, draft_s: float,
+                           verify_s: float) -> None:
+        self.controller(source).record_speculative(depth, nodes, accepted, draft_s, verify_s)

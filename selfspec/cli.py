@@ -111,8 +111,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for piece in engine.stream(ids, cfg, stats):
         print(piece, end="", flush=True)
     print()
+    drafts = ", ".join(f"{n} by {source}" for source, n in stats.drafts_by_source.items())
     print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.mean_accepted:.2f}, "
-          f"{stats.target_forwards} target passes, drafter {drafter.name if drafter else 'none'}]", file=sys.stderr)
+          f"{stats.target_forwards} target passes, drafter {drafter.name if drafter else 'none'}"
+          f"{'; drafts: ' + drafts if drafts else ''}]", file=sys.stderr)
     return 0
 
 

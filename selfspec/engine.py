@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .adaptive import AdaptiveDepth
+from .adaptive import DepthPolicy
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .errors import SelfspecError
 from .kv_cache import cache_length, keep_entries, new_cache
@@ -92,13 +92,15 @@ def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states: bool) -
     return DecodeState(prompt.clone(), cache, prompt.numel()), hs
 
 
-def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, cfg: DecodeConfig,
+def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, policy: DepthPolicy, cfg: DecodeConfig,
           gen: torch.Generator) -> tuple[DraftTree, object]:
-    """Ask the drafter for a tree of at most ``depth`` levels; depth 0 (or no drafter) gives the bare root."""
+    """Ask the drafter for a tree of at most ``depth`` levels, each of its sources as deep as ``policy``
+    says pays; depth 0 (or no drafter) gives the bare root."""
     root = int(ctx.tokens[-1])
     if drafter is None or depth == 0:
         return chain(root, []), dstate
-    tree, dstate = drafter.propose(dstate, ctx, DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen))
+    req = DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen, depth_for=policy.choose)
+    tree, dstate = drafter.draft(dstate, ctx, req)
     if tree.max_depth > depth or tree.size > cfg.max_nodes or int(tree.tokens[0]) != root:
         raise SelfspecError(f"drafter '{drafter.name}' broke its limits (depth {tree.max_depth} > {depth}, "
                             f"or {tree.size} nodes > {cfg.max_nodes}, or a wrong root)")
@@ -184,15 +186,15 @@ class SpeculativeEngine:
         dstate = self.drafter.start(ctx) if self.drafter is not None else None  # the drafter's own prefill
         sync_device(self.device)
         stats.prefill_s = time.perf_counter() - start
-        ctrl = AdaptiveDepth(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive)
+        policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive)
         eos = eos_ids(self.model, cfg)
         generated: list[int] = []
         try:
             while True:
                 room = cfg.max_new_tokens - len(generated)
-                depth = min(ctrl.choose(), room - 1, cfg.max_nodes - 1) if self.drafter is not None else 0
+                depth = min(cfg.max_depth, room - 1, cfg.max_nodes - 1)
                 t0 = time.perf_counter()
-                tree, dstate = draft(self.drafter, dstate, ctx, depth, cfg, gen)
+                tree, dstate = draft(self.drafter, dstate, ctx, depth, policy, cfg, gen)
                 sync_device(self.device)
                 t1 = time.perf_counter()
                 ver = verify_tree(self.model, state.cache, tree, state.cache_len, hidden_states=need_hidden)
@@ -208,11 +210,11 @@ class SpeculativeEngine:
                 stats.verify_s += t2 - t1
                 stats.max_tree_nodes = max(stats.max_tree_nodes, tree.size)
                 stats.draft_state_bytes = max(stats.draft_state_bytes, counted_bytes(dstate))
-                stats.record_step(tree.max_depth, len(path), len(new))
+                stats.record_step(tree.max_depth, len(path), len(new), tree.source)
                 if tree.max_depth == 0:
-                    ctrl.record_plain(t2 - t1)
+                    policy.record_plain(t2 - t1)
                 else:
-                    ctrl.record_speculative(tree.max_depth, tree.size, len(path), t1 - t0, t2 - t1)
+                    policy.record_speculative(tree.source, tree.max_depth, tree.size, len(path), t1 - t0, t2 - t1)
                 generated += new
                 yield new
                 if finished:

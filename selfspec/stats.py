@@ -16,6 +16,7 @@ class GenerationStats:
     reached_depth: list[int] = field(default_factory=list)  # [d-1]: ... and whose path was accepted to depth d-1
     accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: ... and accepted a token at depth d
     tokens_per_step: list[int] = field(default_factory=list)
+    drafts_by_source: dict[str, int] = field(default_factory=dict)  # speculative steps per drafter that answered
     max_tree_nodes: int = 0  # largest draft tree verified, root included
     draft_state_bytes: int = 0  # peak bytes of the drafter's per-request state (its KV cache) after a draft
     prefill_s: float = 0.0
@@ -23,14 +24,16 @@ class GenerationStats:
     verify_s: float = 0.0
     total_s: float = 0.0
 
-    def record_step(self, tree_depth: int, accepted: int, committed: int) -> None:
-        """Count one target pass: how deep the draft went, how many drafts were kept, tokens committed."""
+    def record_step(self, tree_depth: int, accepted: int, committed: int, source: str = "") -> None:
+        """Count one target pass: how deep the draft went (and who drafted it), how many drafts were kept,
+        tokens committed."""
         self.target_forwards += 1
         self.tokens_per_step.append(committed)
         self.new_tokens += committed
         if tree_depth == 0:
             return
         self.speculative_steps += 1
+        self.drafts_by_source[source] = self.drafts_by_source.get(source, 0) + 1
         for lst in (self.drafted_at_depth, self.reached_depth, self.accepted_at_depth):
             lst.extend([0] * (tree_depth - len(lst)))
         for d in range(tree_depth):

@@ -30,6 +30,7 @@ class DraftTree:
     tokens: torch.Tensor  # (N,) long, node 0 = root
     parents: list[int]  # (N,) parent index, -1 for the root
     draft_probs: torch.Tensor | None = None  # (N, V) float or None
+    source: str = ""  # which drafter made it (composite drafters mix sources; acceptance is tracked per source)
     depth: list[int] = field(init=False)
     children: list[list[int]] = field(init=False)
 

@@ -3,7 +3,7 @@ switches speculation off (with occasional probes) when they are not."""
 
 from __future__ import annotations
 
-from selfspec.adaptive import AdaptiveDepth
+from selfspec.adaptive import AdaptiveDepth, DepthPolicy
 
 
 def _run(accept_prob: float, steps: int = 200, slope: float = 0.1, draft_cost: float = 0.05) -> list[int]:
@@ -48,3 +48,25 @@ def test_expected_rate_matches_formula() -> None:
     # E(2) = 1 + 0.5 + 0.25; C(2) = 2 * (1 + 0.5 * 2)
     assert abs(ctrl.expected_rate(2) - 1.75 / 4.0) < 1e-12
     assert ctrl.expected_rate(0) == 0.5
+
+
+def test_policy_judges_each_source_on_its_own_record() -> None:
+    """Drafts from a source that always misses switch that source off, not another that keeps hitting."""
+    policy = DepthPolicy(max_depth=4)
+    assert policy.choose("heads") == 0  # first step plain, to measure t1
+    policy.record_plain(1.0)
+    for _ in range(60):
+        for source, accepted in (("heads", 0), ("lookup", None)):
+            k = policy.choose(source)
+            if k:
+                policy.record_speculative(source, k, k + 1, k if accepted is None else accepted, 0.0, 1.0 + 0.1 * k)
+            else:
+                policy.record_plain(1.0)
+    assert [policy.choose("heads") for _ in range(10)].count(0) >= 8
+    assert policy.choose("lookup") == 4
+
+
+def test_a_new_source_starts_from_the_measured_plain_step() -> None:
+    policy = DepthPolicy(max_depth=3)
+    policy.record_plain(2.0)
+    assert policy.controller("new").t1 == 2.0 and policy.choose("new") > 0  # no extra plain step to measure

@@ -15,13 +15,14 @@ from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.heads import init_heads, make_drafter
 from selfspec.sampling import SamplingConfig
+from selfspec.tree import from_paths
 
 
 class Counting(Drafter):
     """Wraps a drafter and counts the drafts it was asked for."""
 
     def __init__(self, inner: Drafter) -> None:
-        self.inner, self.calls, self.name = inner, 0, inner.name
+        self.inner, self.calls, self.name, self.depths = inner, 0, inner.name, []
         self.needs_hidden_states = inner.needs_hidden_states
 
     def start(self, ctx):
@@ -29,6 +30,7 @@ class Counting(Drafter):
 
     def propose(self, state, ctx, req):
         self.calls += 1
+        self.depths.append(req.max_depth)
         return self.inner.propose(state, ctx, req)
 
     def observe(self, state, ctx):
@@ -65,6 +67,57 @@ def test_lookup_answers_only_where_the_context_repeats() -> None:
     assert inner.calls == 1  # nothing repeats: the draft model drafted
 
 
+def test_each_source_drafts_as_deep_as_the_policy_allows_it() -> None:
+    """The policy is asked per source: lookup drafts while the wrapped drafter is switched off, and the
+    other way round; a source allowed depth 0 drafts nothing."""
+    inner = Counting(DraftModelDrafter(tiny_model(101, layers=1)))
+    drafter = LookupFirstDrafter(inner)
+    repeats = torch.tensor(list(range(10)) * 2 + [0, 1, 2])
+    fresh = torch.arange(23)
+    asked = []
+
+    def policy(depths):
+        return lambda source: asked.append(source) or depths[source]
+
+    def draft(tokens, depths):
+        ctx = DraftContext(tokens, tokens.numel() - 1)
+        req = DraftRequest(4, 16, SamplingConfig(), depth_for=policy(depths))
+        return drafter.draft(drafter.start(ctx), ctx, req)[0]
+
+    tree = draft(repeats, {"prompt-lookup": 2, inner.name: 0})
+    assert (tree.tokens.tolist(), tree.source, inner.calls) == ([2, 3, 4], "prompt-lookup", 0)
+    tree = draft(fresh, {"prompt-lookup": 2, inner.name: 0})  # no match: only the wrapped drafter is asked
+    assert (tree.size, inner.calls, asked[-1]) == (1, 0, inner.name) and "prompt-lookup" not in asked[1:]
+    tree = draft(repeats, {"prompt-lookup": 0, inner.name: 3})  # lookup off: the wrapped drafter drafts
+    assert (tree.source, inner.calls, inner.depths) == (inner.name, 1, [3]) and tree.max_depth >= 1
+
+
+class Wrong(Drafter):
+    """Drafts a token the target never picks next: every draft is rejected."""
+
+    name = "wrong"
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    @torch.no_grad()
+    def propose(self, state, ctx, req):
+        best = int(self.target(ctx.tokens[None]).logits[0, -1].argmax())
+        return from_paths(int(ctx.tokens[-1]), [[(best + 1) % 64]]), state
+
+
+def test_a_useless_drafter_does_not_silence_lookup() -> None:
+    """Adaptive depth with a drafter whose drafts always fail: it switches itself off, and lookup still
+    drafts once the target falls into a loop (this tiny model does after ~75 tokens). Judged together,
+    the failures switched lookup off too: every step plain, tau exactly 1."""
+    target = tiny_model(1, layers=1)
+    got = SpeculativeEngine(target, LookupFirstDrafter(Wrong(target))).generate([1, 2, 3], DecodeConfig(max_new_tokens=120))
+    assert got.tokens == hf_greedy(target, [1, 2, 3], 120)
+    by_source = got.stats.drafts_by_source
+    assert sum(by_source.values()) == got.stats.speculative_steps
+    assert by_source.get("prompt-lookup", 0) > by_source.get("wrong", 0) and got.stats.mean_accepted > 1.05
+
+
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("family", list(HYPER))
 def test_lookup_first_heads_are_lossless(family: str, seed: int) -> None:
@@ -99,3 +152,12 @@ def test_generate_flags_put_heads_behind_lookup(tmp_path):
     wrapped = build_drafter(build_parser().parse_args(argv + ["--lookup"]), model, None)
     assert isinstance(wrapped, LookupFirstDrafter) and not isinstance(bare, LookupFirstDrafter)
     assert type(wrapped.inner) is type(bare)
+
+
+def test_a_recent_match_in_a_loop_drafts_the_loop_forward() -> None:
+    """The latest match of "7 7" ends one token before the end; the draft repeats the loop to full depth."""
+    from selfspec.drafters.prompt_lookup import continuation, find_continuations
+
+    assert find_continuations(torch.tensor([1, 7, 7, 7]), 2, 4, 1) == [[7, 7, 7, 7]]
+    assert continuation([5, 1, 2, 3, 1, 2], 4, 5) == [1, 2, 1, 2, 1]  # period 2
+    assert continuation([5, 1, 2, 3, 1, 2], 1, 3) == [1, 2, 3]  # an old match: the text as it was

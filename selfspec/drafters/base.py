@@ -6,20 +6,21 @@ calls, per request:
 
     state = drafter.start(ctx)                       # after the target's prefill
     loop:
-        tree, state = drafter.propose(state, req)    # draft
+        tree, state = drafter.draft(state, ctx, req) # asks req.depth(source), then propose()
         ... target verifies, accepts, commits ...
         state = drafter.observe(state, ctx)          # learn what was committed
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..sampling import SamplingConfig
-from ..tree import DraftTree
+from ..tree import DraftTree, chain
 
 
 @dataclass
@@ -44,6 +45,11 @@ class DraftRequest:
     max_nodes: int
     sampling: SamplingConfig
     generator: torch.Generator | None = None
+    depth_for: Callable[[str], int] | None = None  # the engine's depth policy, asked per draft source
+
+    def depth(self, source: str) -> int:
+        """How deep ``source`` may draft this step (0: not at all); ``max_depth`` when nobody decides."""
+        return self.max_depth if self.depth_for is None else min(self.depth_for(source), self.max_depth)
 
 
 class Drafter:
@@ -59,6 +65,19 @@ class Drafter:
     def propose(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
         """A tree rooted at ``ctx.tokens[-1]`` within ``req``'s limits (a root-only tree means no draft)."""
         raise NotImplementedError
+
+    def draft(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
+        """What the engine calls: ask how deep this source may go (``req.depth``), then ``propose`` that deep.
+
+        The tree comes back tagged with its source. Drafters made of several sources override this to
+        ask for each source separately, so each one's acceptance and cost are judged on their own.
+        """
+        depth = req.depth(self.name)
+        if depth == 0:
+            return chain(int(ctx.tokens[-1]), []), state
+        tree, state = self.propose(state, ctx, replace(req, max_depth=depth))
+        tree.source = tree.source or self.name
+        return tree, state
 
     def observe(self, state: Any, ctx: DraftContext) -> Any:
         """Called after each commit with the new context; returns the updated state."""

@@ -6,6 +6,10 @@ only where the context does not repeat does the wrapped drafter (a draft model, 
 drafting. On 2 CPU cores with Qwen2.5-Coder-1.5B + 0.5B this took HumanEval answers from 2.8 to
 ~4 tokens/s (the 0.5B costs ~40% of a target step per drafted token there).
 
+The engine's depth policy judges the two sources apart (``draft`` asks for each by name): weak heads
+that switch themselves off do not stop a lookup match from being verified, and a lookup that keeps
+missing does not stop the heads.
+
 Lossless whichever drafter answers: each tree carries its own draft distributions (prompt lookup's
 are point masses), and the wrapped drafter sees every commit through ``observe`` and re-syncs its
 own state from the committed tokens when it drafts again.
@@ -13,6 +17,7 @@ own state from the committed tokens when it drafts again.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..tree import DraftTree
@@ -41,6 +46,18 @@ class LookupFirstDrafter(Drafter):
         if tree.max_depth >= min(self.min_depth, req.max_depth):
             return tree, state
         return self.inner.propose(state, ctx, req)
+
+    def draft(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
+        """A lookup match where the policy lets lookup draft, else whatever the wrapped drafter's own policy allows."""
+        tree, _ = self.lookup.propose(None, ctx, req)
+        if tree.max_depth >= min(self.min_depth, req.max_depth):
+            depth = req.depth(self.lookup.name)  # asked only when there is a match to verify
+            if depth > 0:
+                if depth < tree.max_depth:
+                    tree, _ = self.lookup.propose(None, ctx, replace(req, max_depth=depth))
+                tree.source = self.lookup.name
+                return tree, state
+        return self.inner.draft(state, ctx, req)
 
     def observe(self, state: Any, ctx: DraftContext) -> Any:
         return self.inner.observe(state, ctx)

@@ -14,6 +14,20 @@ from ..tree import DraftTree, from_paths
 from .base import DraftContext, DraftRequest, Drafter
 
 
+def continuation(tokens: list[int], start: int, depth: int) -> list[int]:
+    """The ``depth`` tokens predicted if the text goes on as it did from ``start``.
+
+    A match close to the end runs into the text being predicted: with period ``p = len(tokens) - start``
+    the prediction repeats itself (a model stuck in a loop keeps looping), so a recent match still
+    drafts ``depth`` tokens.
+    """
+    period = len(tokens) - start
+    out = tokens[start:start + depth]
+    while len(out) < depth:
+        out.append(out[len(out) - period])
+    return out
+
+
 def find_continuations(tokens: torch.Tensor, ngram: int, depth: int, limit: int) -> list[list[int]]:
     """Up to ``limit`` distinct continuations (most recent first) of earlier matches of the last ``ngram`` tokens."""
     n = tokens.numel()
@@ -23,8 +37,9 @@ def find_continuations(tokens: torch.Tensor, ngram: int, depth: int, limit: int)
     windows = tokens[:-1].unfold(0, ngram, 1)  # (n - ngram, ngram): every earlier window but the suffix itself
     starts = (windows == suffix).all(dim=1).nonzero().flatten().flip(0) + ngram
     found: list[list[int]] = []
+    seq = tokens.tolist()
     for s in starts.tolist():
-        cont = tokens[s:s + depth].tolist()
+        cont = continuation(seq, s, depth)
         if cont and cont not in found:
             found.append(cont)
             if len(found) == limit:
