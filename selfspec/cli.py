@@ -51,7 +51,7 @@ def build_drafter(args: argparse.Namespace, model, tokenizer):
         from .checkpoint import load_heads
 
         drafter = load_heads(model, args.heads, tokenizer=tokenizer)[1]
-        return LookupFirstDrafter(drafter) if args.lookup else drafter
+        return drafter if args.no_lookup else LookupFirstDrafter(drafter)
     if args.drafter == "none":
         return None
     if args.drafter == "prompt-lookup":
@@ -146,12 +146,10 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup")
     p.add_argument("--draft-model", help="zoo name, folder or hub id of the separate draft model")
-    p.add_argument("--no-lookup", action="store_true",
-                   help="draft-model: draft with the draft model alone (default: prompt lookup first where the "
-                        "context repeats itself, the draft model elsewhere)")
     p.add_argument("--heads", help="a selfspec heads checkpoint folder (overrides --drafter)")
-    p.add_argument("--lookup", action="store_true",
-                   help="heads: draft by prompt lookup where the context repeats itself, with the heads elsewhere")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="--heads / draft-model: draft with them alone (default: prompt lookup first where the "
+                        "context repeats itself, the heads or draft model elsewhere, each judged on its own acceptance)")
     p.add_argument("--max-depth", type=int, default=16, help="deepest draft (adaptive picks up to this)")
     p.add_argument("--max-nodes", type=int, default=16, help="largest draft tree, root included")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --max-depth")

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .data import apply_chat_template
+from .drafters.lookup_first import LookupFirstDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .engine import DecodeConfig, GenerationResult, SpeculativeEngine
 from .memory import format_bytes, predict_added, predict_target
@@ -21,10 +22,10 @@ def committed_heads(model_name: str) -> list[Path]:
     return [f for f in folders if (f / "selfspec_heads.json").is_file()]
 
 
-def _row(name: str, res: GenerationResult, base: GenerationResult) -> str:
+def _row(name: str, res: GenerationResult, base: GenerationResult, width: int) -> str:
     s = res.stats
     speed = s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0
-    return (f"{name:<30} {s.new_tokens:>6} {s.tokens_per_s:>9.1f} {speed:>7.2f}x {s.mean_accepted:>6.2f} "
+    return (f"{name:<{width}} {s.new_tokens:>6} {s.tokens_per_s:>9.1f} {speed:>7.2f}x {s.mean_accepted:>6.2f} "
             f"{s.target_forwards:>8}")
 
 
@@ -38,6 +39,8 @@ def run_demo(model_name: str, prompt: str, max_new_tokens: int, heads: str | Non
     from .checkpoint import load_heads
 
     drafters = [(f"heads: {f.name}", load_heads(model, str(f), tokenizer)[1]) for f in folders]
+    if drafters:  # what `selfspec generate --heads` runs: the first (EAGLE-style) heads behind prompt lookup
+        drafters.append((f"{drafters[0][0]} + lookup", LookupFirstDrafter(drafters[0][1])))
     drafters.append(("prompt lookup (no training)", PromptLookupDrafter()))
     SpeculativeEngine(model).generate(ids[:8], DecodeConfig(max_new_tokens=4))  # warm-up
     plain = SpeculativeEngine(model, None, tokenizer).generate(ids, cfg)
@@ -49,15 +52,16 @@ def run_demo(model_name: str, prompt: str, max_new_tokens: int, heads: str | Non
     print("--- plain decoding ---")
     print(plain.text)
     print()
-    print(f"{'method':<30} {'tokens':>6} {'tokens/s':>9} {'speedup':>8} {'tau':>6} {'passes':>8}")
-    print(_row("plain", plain, plain))
+    width = max(len(name) for name, _ in drafters)
+    print(f"{'method':<{width}} {'tokens':>6} {'tokens/s':>9} {'speedup':>8} {'tau':>6} {'passes':>8}")
+    print(_row("plain", plain, plain, width))
     ok = True
     for name, res, drafter in results:
-        print(_row(name, res, plain))
+        print(_row(name, res, plain, width))
         same = res.tokens == plain.tokens
         ok &= same
         added = predict_added(model, drafter, cfg.max_nodes).at(len(ids) + max_new_tokens)
-        print(f"{'':<30} identical to plain: {'yes' if same else 'NO'}; adds {format_bytes(added)} "
+        print(f"{'':<{width}} identical to plain: {'yes' if same else 'NO'}; adds {format_bytes(added)} "
               f"({100 * added / model_bytes:.1f}% of the model's {format_bytes(model_bytes)}): "
               f"{drafter.extra_parameters() / 1e6:.2f}M parameters + its cache and draft tree")
     if not folders:

@@ -141,15 +141,15 @@ def test_lookup_first_sampling_is_lossless(monkeypatch) -> None:
 
 
 def test_generate_flags_put_heads_behind_lookup(tmp_path):
-    """``selfspec generate --heads F --lookup``: the checkpoint's drafter wrapped by lookup; without it, bare."""
+    """``selfspec generate --heads F``: the checkpoint's drafter behind lookup; with ``--no-lookup``, bare."""
     from selfspec.checkpoint import save_heads
     from selfspec.cli import build_drafter, build_parser
 
     model = tiny_model(0, vocab=64)
     save_heads(init_heads("medusa", model), model, tmp_path)
     argv = ["generate", "--prompt", "x", "--heads", str(tmp_path)]
-    bare = build_drafter(build_parser().parse_args(argv), model, None)
-    wrapped = build_drafter(build_parser().parse_args(argv + ["--lookup"]), model, None)
+    bare = build_drafter(build_parser().parse_args(argv + ["--no-lookup"]), model, None)
+    wrapped = build_drafter(build_parser().parse_args(argv), model, None)
     assert isinstance(wrapped, LookupFirstDrafter) and not isinstance(bare, LookupFirstDrafter)
     assert type(wrapped.inner) is type(bare)
 
