@@ -42,10 +42,7 @@ class LookupFirstDrafter(Drafter):
 
     def propose(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
         """The lookup chain when the context repeats itself deeply enough, else the wrapped drafter's tree."""
-        tree, _ = self.lookup.propose(None, ctx, req)
-        if tree.max_depth >= min(self.min_depth, req.max_depth):
-            return tree, state
-        return self.inner.propose(state, ctx, req)
+        return self.draft(state, ctx, replace(req, depth_for=None))
 
     def draft(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
         """A lookup match where the policy lets lookup draft, else whatever the wrapped drafter's own policy allows."""
