@@ -127,6 +127,11 @@ class DepthPolicy:
         """Depth ``source`` may draft to this step (0: it should not draft)."""
         return self.controller(source).choose()
 
+    def rate(self, source: str) -> float:
+        """Expected tokens/s of ``source`` at its best depth, from its record (no side effects)."""
+        ctrl = self.controller(source)
+        return max((ctrl.expected_rate(k) for k in range(1, ctrl.max_depth + 1)), default=0.0)
+
     def record_plain(self, seconds: float) -> None:
         self.t1 = _ema(self.t1, seconds)
         for ctrl in self.sources.values():

@@ -99,7 +99,7 @@ def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, policy
     root = int(ctx.tokens[-1])
     if drafter is None or depth == 0:
         return chain(root, []), dstate
-    req = DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen, depth_for=policy.choose)
+    req = DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen, depth_for=policy.choose, rate_for=policy.rate)
     tree, dstate = drafter.draft(dstate, ctx, req)
     if tree.max_depth > depth or tree.size > cfg.max_nodes or int(tree.tokens[0]) != root:
         raise SelfspecError(f"drafter '{drafter.name}' broke its limits (depth {tree.max_depth} > {depth}, "

@@ -70,3 +70,14 @@ def test_a_new_source_starts_from_the_measured_plain_step() -> None:
     policy = DepthPolicy(max_depth=3)
     policy.record_plain(2.0)
     assert policy.controller("new").t1 == 2.0 and policy.choose("new") > 0  # no extra plain step to measure
+
+
+def test_rate_ranks_sources_by_their_record_without_changing_it() -> None:
+    policy = DepthPolicy(max_depth=4)
+    policy.record_plain(1.0)
+    for _ in range(10):
+        policy.record_speculative("good", 4, 5, 4, 0.0, 2.0)
+        policy.record_speculative("bad", 4, 5, 0, 0.0, 2.0)
+    before = (policy.controller("bad").plain_left, policy.controller("bad").backoff)
+    assert policy.rate("good") > 1.0 > policy.rate("bad")  # 1.0: plain decoding's tokens/s here
+    assert (policy.controller("bad").plain_left, policy.controller("bad").backoff) == before

@@ -92,6 +92,24 @@ def test_each_source_drafts_as_deep_as_the_policy_allows_it() -> None:
     assert (tree.source, inner.calls, inner.depths) == (inner.name, 1, [3]) and tree.max_depth >= 1
 
 
+def test_short_matches_draft_only_where_the_policy_expects_more_of_them() -> None:
+    """Only a 1-token match ("5" occurred before): short lookup drafts if its expected rate beats the
+    wrapped drafter's, else the wrapped drafter does."""
+    inner = Counting(DraftModelDrafter(tiny_model(101, layers=1)))
+    drafter = LookupFirstDrafter(inner)
+    tokens = torch.tensor([5, 6, 7, 8, 9, 5])
+    ctx = DraftContext(tokens, tokens.numel() - 1)
+
+    def draft(rates):
+        req = DraftRequest(4, 16, SamplingConfig(), depth_for=lambda s: 4, rate_for=rates.get)
+        return drafter.draft(drafter.start(ctx), ctx, req)[0]
+
+    tree = draft({"prompt-lookup-short": 2.0, inner.name: 1.0})
+    assert (tree.tokens.tolist(), tree.source, inner.calls) == ([5, 6, 7, 8, 9], "prompt-lookup-short", 0)
+    tree = draft({"prompt-lookup-short": 1.0, inner.name: 2.0})
+    assert (tree.source, inner.calls) == (inner.name, 1)
+
+
 class Wrong(Drafter):
     """Drafts a token the target never picks next: every draft is rejected."""
 
@@ -115,7 +133,8 @@ def test_a_useless_drafter_does_not_silence_lookup() -> None:
     assert got.tokens == hf_greedy(target, [1, 2, 3], 120)
     by_source = got.stats.drafts_by_source
     assert sum(by_source.values()) == got.stats.speculative_steps
-    assert by_source.get("prompt-lookup", 0) > by_source.get("wrong", 0) and got.stats.mean_accepted > 1.05
+    lookup = by_source.get("prompt-lookup", 0) + by_source.get("prompt-lookup-short", 0)
+    assert lookup > by_source.get("wrong", 0) and got.stats.mean_accepted > 1.05
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -46,10 +46,15 @@ class DraftRequest:
     sampling: SamplingConfig
     generator: torch.Generator | None = None
     depth_for: Callable[[str], int] | None = None  # the engine's depth policy, asked per draft source
+    rate_for: Callable[[str], float] | None = None  # ... and its expected tokens/s per draft source
 
     def depth(self, source: str) -> int:
         """How deep ``source`` may draft this step (0: not at all); ``max_depth`` when nobody decides."""
         return self.max_depth if self.depth_for is None else min(self.depth_for(source), self.max_depth)
+
+    def rate(self, source: str) -> float:
+        """Expected tokens/s if ``source`` drafts this step (0.0 when nobody keeps a record)."""
+        return 0.0 if self.rate_for is None else self.rate_for(source)
 
 
 class Drafter:

@@ -6,7 +6,10 @@ only where the context does not repeat does the wrapped drafter (a draft model, 
 drafting. On 2 CPU cores with Qwen2.5-Coder-1.5B + 0.5B this took HumanEval answers from 2.8 to
 ~4 tokens/s (the 0.5B costs ~40% of a target step per drafted token there).
 
-The engine's depth policy judges the two sources apart (``draft`` asks for each by name): weak heads
+Matches of only 1-2 tokens are a weaker third source: they draft only where the depth policy expects
+more tokens/s of them than of the wrapped drafter (weak heads, yes; a good draft model, rarely).
+
+The engine's depth policy judges the sources apart (``draft`` asks for each by name): weak heads
 that switch themselves off do not stop a lookup match from being verified, and a lookup that keeps
 missing does not stop the heads.
 
@@ -27,11 +30,16 @@ from .prompt_lookup import PromptLookupDrafter
 
 class LookupFirstDrafter(Drafter):
     """Draft with ``lookup`` when it matches an n-gram of ``min_ngram``+ tokens and reaches ``min_depth``;
-    otherwise with ``inner``."""
+    otherwise with ``short`` (matches of fewer tokens) when the policy expects more of it than of
+    ``inner``; otherwise with ``inner``."""
 
     def __init__(self, inner: Drafter, min_ngram: int = 3, max_ngram: int = 4, min_depth: int = 2) -> None:
         self.inner = inner
         self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, candidates=1)
+        self.short = None
+        if min_ngram > 1:
+            self.short = PromptLookupDrafter(max_ngram=min_ngram - 1, min_ngram=1, candidates=3)
+            self.short.name = "prompt-lookup-short"
         self.min_depth = min_depth
         self.name = f"{inner.name}+lookup"
         self.needs_hidden_states = inner.needs_hidden_states
@@ -45,16 +53,27 @@ class LookupFirstDrafter(Drafter):
         return self.draft(state, ctx, replace(req, depth_for=None))
 
     def draft(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
-        """A lookup match where the policy lets lookup draft, else whatever the wrapped drafter's own policy allows."""
-        tree, _ = self.lookup.propose(None, ctx, req)
-        if tree.max_depth >= min(self.min_depth, req.max_depth):
-            depth = req.depth(self.lookup.name)  # asked only when there is a match to verify
-            if depth > 0:
-                if depth < tree.max_depth:
-                    tree, _ = self.lookup.propose(None, ctx, replace(req, max_depth=depth))
-                tree.source = self.lookup.name
-                return tree, state
+        """A long lookup match if the policy lets lookup draft; else a short match if the policy expects
+        more of short matches than of the wrapped drafter; else what the wrapped drafter's policy allows."""
+        tree = self._matched(self.lookup, ctx, req)
+        if tree is None and self.short is not None and req.rate(self.short.name) > req.rate(self.inner.name):
+            tree = self._matched(self.short, ctx, req)
+        if tree is not None:
+            return tree, state
         return self.inner.draft(state, ctx, req)
+
+    def _matched(self, lookup: PromptLookupDrafter, ctx: DraftContext, req: DraftRequest) -> DraftTree | None:
+        """``lookup``'s tree when it matches deeply enough and the policy lets it draft (asked only then)."""
+        tree, _ = lookup.propose(None, ctx, req)
+        if tree.max_depth < min(self.min_depth, req.max_depth):
+            return None
+        depth = req.depth(lookup.name)
+        if depth == 0:
+            return None
+        if depth < tree.max_depth:
+            tree, _ = lookup.propose(None, ctx, replace(req, max_depth=depth))
+        tree.source = lookup.name
+        return tree
 
     def observe(self, state: Any, ctx: DraftContext) -> Any:
         return self.inner.observe(state, ctx)
