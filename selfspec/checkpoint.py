@@ -6,6 +6,9 @@ training run's train_config.json may sit beside them, and loading ignores them):
     selfspec_heads.json   format_version, head family + config, the base model's identity
     heads.safetensors     the trained tensors only (never the frozen base)
 
+or, saved with ``max_shard_size`` (Hugging Face's sharding convention), ``heads.safetensors.index.json``
+and the shards it maps every tensor to (``heads-00001-of-00003.safetensors``, ...).
+
 A *merged* folder also holds the base, saved with ``save_pretrained`` (config, weights, tokenizer),
 so ``load_augmented(folder)`` restores model, tokenizer and drafter in one call. Loading is strict
 about tensors (missing, unexpected, wrong shape) and about the base (architecture, hidden size,
@@ -35,6 +38,8 @@ from .heads.config import config_from_dict, config_to_dict
 FORMAT_VERSION = 1
 CONFIG_FILE = "selfspec_heads.json"
 WEIGHTS_FILE = "heads.safetensors"
+INDEX_FILE = WEIGHTS_FILE + ".index.json"
+SHARD_PATTERN = "heads{suffix}.safetensors"  # huggingface_hub's filename pattern: heads-00001-of-00002.safetensors
 _TOP_KEYS = {"format_version", "family", "config", "base", "trained_parameters", "dtype", "merged"}
 _COMPARED = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size")
 
@@ -110,35 +115,94 @@ def _trained_tensors(heads: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in heads.state_dict().items()}
 
 
+def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Floating-point tensors in ``dtype`` (None: as they are); integer buffers (EAGLE's ``d2t``) untouched."""
+    if dtype is None:
+        return tensors
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def _write_tensors(tensors: dict[str, torch.Tensor], folder: Path, family: str,
+                   max_shard_size: int | str | None) -> None:
+    """``heads.safetensors``, or shards + ``heads.safetensors.index.json`` when they exceed ``max_shard_size``.
+
+    The other layout's files are removed first, so a folder never holds both.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    for old in [folder / WEIGHTS_FILE, folder / INDEX_FILE, *folder.glob("heads-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+    metadata = {"format": "pt", "selfspec_family": family}
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern=SHARD_PATTERN,
+                                               max_shard_size=max_shard_size or 2**62)
+    if not split.is_sharded:  # one file (possibly with no tensors: early exit without a projection)
+        save_file(tensors, str(folder / WEIGHTS_FILE), metadata=metadata)
+        return
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in names}, str(folder / filename), metadata=metadata)
+    index = {"metadata": {**split.metadata, "selfspec_family": family}, "weight_map": split.tensor_to_filename}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def save_heads(heads_module: nn.Module, base_model: nn.Module, folder: str | Path, tokenizer=None,
-               base_name: str | None = None, merged: bool = False) -> Path:
-    """Write ``selfspec_heads.json`` and ``heads.safetensors`` (trained weights only) into ``folder``."""
+               base_name: str | None = None, merged: bool = False, dtype: torch.dtype | None = None,
+               max_shard_size: int | str | None = None) -> Path:
+    """Write ``selfspec_heads.json`` and the trained weights only into ``folder``.
+
+    ``dtype`` stores floating-point tensors in another dtype (e.g. ``torch.bfloat16``; loading casts
+    them to the base's). ``max_shard_size`` (bytes or "16MB", as in ``save_pretrained``) splits the
+    weights into shards with an index when they are larger; by default they go to one file.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = _trained_tensors(heads_module)
+    tensors = _cast(_trained_tensors(heads_module), dtype)
+    stored = dtype or (placement(heads_module)[1] if tensors else placement(base_model)[1])
     meta = {
         "format_version": FORMAT_VERSION,
         "family": heads_module.config.family,
         "config": config_to_dict(heads_module.config),
         "base": base_identity(base_model, tokenizer, base_name),
         "trained_parameters": trained_parameter_count(heads_module),
-        "dtype": str(placement(heads_module)[1] if tensors else placement(base_model)[1]).removeprefix("torch."),
+        "dtype": str(stored).removeprefix("torch."),
         "merged": merged,
     }
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "selfspec_family": meta["family"]})
+    _write_tensors(tensors, folder, meta["family"], max_shard_size)
     (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return folder
 
 
+def export_heads(source: str | Path, folder: str | Path, dtype: torch.dtype | None = None,
+                 max_shard_size: int | str | None = None) -> Path:
+    """Copy a heads folder to ``folder`` with its weights cast to ``dtype`` and/or re-sharded; no base model needed.
+
+    The model card (README.md) and train_config.json come along when present.
+    """
+    source, folder = Path(source), Path(folder)
+    meta = read_heads_json(source)
+    tensors = _cast(read_tensors(source), dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        meta["dtype"] = str(dtype).removeprefix("torch.")
+    _write_tensors(tensors, folder, meta["family"], max_shard_size)
+    (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    for extra in ("README.md", "train_config.json"):
+        if (source / extra).is_file() and source.resolve() != folder.resolve():
+            (folder / extra).write_bytes((source / extra).read_bytes())
+    return folder
+
+
 def save_merged(heads_module: nn.Module, base_model: nn.Module, folder: str | Path, tokenizer=None,
-                base_name: str | None = None) -> Path:
-    """Save base (``save_pretrained``: config, weights, tokenizer) and heads into one folder."""
+                base_name: str | None = None, **kwargs) -> Path:
+    """Save base (``save_pretrained``: config, weights, tokenizer) and heads into one folder.
+
+    ``kwargs`` (``dtype``, ``max_shard_size``) apply to the heads' weights.
+    """
     folder = Path(folder)
     base_model.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return save_heads(heads_module, base_model, folder, tokenizer, base_name or _display_name(base_model, None),
-                      merged=True)
+                      merged=True, **kwargs)
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -168,7 +232,36 @@ def read_heads_json(folder: str | Path) -> dict[str, Any]:
     return {k: v for k, v in meta.items() if k in _TOP_KEYS}
 
 
-def _check_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+def weight_files(folder: str | Path) -> list[Path]:
+    """The weight files of a heads folder: ``heads.safetensors``, or the shards its index names (all checked to exist)."""
+    folder = Path(folder)
+    single, index = folder / WEIGHTS_FILE, folder / INDEX_FILE
+    if single.is_file() and index.is_file():
+        raise SelfspecError(f"{folder} holds both {WEIGHTS_FILE} and {INDEX_FILE}: remove the stale one")
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        raise SelfspecError(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE} (nor {INDEX_FILE}): "
+                            "an incomplete heads checkpoint")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise SelfspecError(f"{index} is not a safetensors index (JSON with a weight_map): {exc}") from exc
+    shards = [folder / name for name in sorted(set(weight_map.values()))]
+    if missing := [p.name for p in shards if not p.is_file()]:
+        raise SelfspecError(f"{index} names shards that are not in {folder}: {missing}")
+    return shards
+
+
+def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor of a heads folder, from one file or all its shards."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def _check_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], folder: Path) -> None:
     """One error listing every missing, unexpected or misshapen tensor."""
     want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in tensors.items()}
@@ -181,7 +274,7 @@ def _check_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], path: Pa
     if wrong:
         problems.append(f"wrong shapes {wrong}")
     if problems:
-        raise SelfspecError(f"{path} does not match its {module.config.family} config: {'; '.join(problems)}")
+        raise SelfspecError(f"the weights in {folder} do not match its {module.config.family} config: {'; '.join(problems)}")
 
 
 def load_heads(base: nn.Module | str, folder: str | Path, tokenizer=None) -> tuple[nn.Module, Drafter]:
@@ -200,11 +293,8 @@ def load_heads(base: nn.Module | str, folder: str | Path, tokenizer=None) -> tup
     config = config_from_dict(meta["family"], meta["config"])
     device, dtype = placement(base)
     heads = build_heads(config, base.config, device, dtype)
-    weights = folder / WEIGHTS_FILE
-    if not weights.is_file():
-        raise SelfspecError(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
-    tensors = load_file(str(weights))
-    _check_tensors(heads, tensors, weights)
+    tensors = read_tensors(folder)
+    _check_tensors(heads, tensors, folder)
     heads.load_state_dict(tensors, strict=True)
     heads.eval().requires_grad_(False)
     return heads, make_drafter(heads, base)
@@ -272,9 +362,8 @@ def heads_info(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     meta = read_heads_json(folder)
     base = meta["base"]
-    if not (folder / WEIGHTS_FILE).is_file():
-        raise SelfspecError(f"{folder} has {CONFIG_FILE} but no {WEIGHTS_FILE}: an incomplete heads checkpoint")
-    params, nbytes = _tensor_sizes(folder / WEIGHTS_FILE)
+    sizes = [_tensor_sizes(path) for path in weight_files(folder)]
+    params, nbytes = sum(p for p, _ in sizes), sum(b for _, b in sizes)
     config = _local_base_config(folder, base.get("name_or_path"))
     base_params = count_parameters(config) if config is not None else base.get("parameters")
     return {

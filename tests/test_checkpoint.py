@@ -13,8 +13,8 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from conftest import hf_greedy, tiny_model
-from selfspec.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, heads_info, load_augmented, load_heads, save_heads,
-                                 save_merged)
+from selfspec.checkpoint import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, export_heads, heads_info, load_augmented,
+                                 load_heads, save_heads, save_merged)
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads
@@ -190,3 +190,53 @@ def test_save_pretrained_method_matches_save_heads(tmp_path: Path) -> None:
     heads.save_pretrained(tmp_path / "a", model)
     loaded, _ = load_heads(model, tmp_path / "a")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in heads.state_dict().items())
+
+
+def test_sharded_weights_round_trip_and_draft_losslessly(tmp_path: Path) -> None:
+    model = tiny_model(1, layers=3)
+    heads = trained("eagle", model)
+    total = sum(t.numel() * t.element_size() for t in heads.state_dict().values())
+    save_heads(heads, model, tmp_path, max_shard_size=total // 3)
+    shards = sorted(p.name for p in tmp_path.glob("heads-*.safetensors"))
+    assert len(shards) >= 3 and not (tmp_path / WEIGHTS_FILE).exists() and (tmp_path / INDEX_FILE).is_file()
+    assert all((tmp_path / s).stat().st_size < total for s in shards)
+    loaded, drafter = load_heads(model, tmp_path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in heads.state_dict().items())
+    assert heads_info(tmp_path)["heads_parameters"] == sum(p.numel() for p in heads.parameters())
+    prompt = [5, 2, 7, 5, 2, 7, 5]
+    got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=16, adaptive=False))
+    assert got.tokens == hf_greedy(model, prompt, 16)
+    save_heads(heads, model, tmp_path)  # back to one file: the shards and index go
+    assert sorted(p.name for p in tmp_path.iterdir()) == [WEIGHTS_FILE, CONFIG_FILE]
+
+
+def test_broken_shards_are_clear_errors(tmp_path: Path) -> None:
+    model = tiny_model(0)
+    heads = trained("medusa", model)
+    save_heads(heads, model, tmp_path, max_shard_size=1)
+    shards = sorted(tmp_path.glob("heads-*.safetensors"))
+    save_file({}, str(tmp_path / WEIGHTS_FILE))
+    with pytest.raises(SelfspecError, match="both"):
+        load_heads(model, tmp_path)
+    (tmp_path / WEIGHTS_FILE).unlink()
+    shards[-1].unlink()
+    with pytest.raises(SelfspecError, match="names shards that are not in"):
+        load_heads(model, tmp_path)
+    (tmp_path / INDEX_FILE).unlink()
+    with pytest.raises(SelfspecError, match="incomplete heads checkpoint"):
+        load_heads(model, tmp_path)
+
+
+def test_export_casts_and_shards_without_the_base(tmp_path: Path) -> None:
+    model = tiny_model(2, layers=3)
+    heads = trained("eagle", model)
+    save_heads(heads, model, tmp_path / "run")
+    (tmp_path / "run" / "README.md").write_text("card")
+    export_heads(tmp_path / "run", tmp_path / "out", dtype=torch.bfloat16, max_shard_size=4096)
+    assert (tmp_path / "out" / "README.md").read_text() == "card" and (tmp_path / "out" / INDEX_FILE).is_file()
+    info = heads_info(tmp_path / "out")
+    assert info["heads_dtype"] == "bfloat16" and info["heads_bytes"] < heads_info(tmp_path / "run")["heads_bytes"]
+    loaded, _ = load_heads(model, tmp_path / "out")  # cast back to the base's dtype
+    for key, value in heads.state_dict().items():
+        want = value.to(torch.bfloat16).to(value.dtype) if value.is_floating_point() else value
+        assert torch.equal(loaded.state_dict()[key], want), key

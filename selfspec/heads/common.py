@@ -32,13 +32,16 @@ class HeadsModule(torch.nn.Module):
     """Base of every head family's trained module: the peft-like ``save_pretrained``."""
 
     def save_pretrained(self, folder, base_model: torch.nn.Module, tokenizer=None, base_name: str | None = None,
-                        merged: bool = False):
-        """Save these heads in the selfspec format (``merged``: the base model too, loadable in one call)."""
+                        merged: bool = False, **kwargs):
+        """Save these heads in the selfspec format (``merged``: the base model too, loadable in one call).
+
+        ``kwargs`` go to :func:`selfspec.checkpoint.save_heads` (``dtype``, ``max_shard_size``).
+        """
         from ..checkpoint import save_heads, save_merged
 
         if merged:
-            return save_merged(self, base_model, folder, tokenizer=tokenizer, base_name=base_name)
-        return save_heads(self, base_model, folder, tokenizer=tokenizer, base_name=base_name)
+            return save_merged(self, base_model, folder, tokenizer=tokenizer, base_name=base_name, **kwargs)
+        return save_heads(self, base_model, folder, tokenizer=tokenizer, base_name=base_name, **kwargs)
 
 
 def placement(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
