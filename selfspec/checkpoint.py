@@ -166,6 +166,12 @@ def save_heads(heads_module: nn.Module, base_model: nn.Module, folder: str | Pat
         "dtype": str(stored).removeprefix("torch."),
         "merged": merged,
     }
+    return _write_folder(folder, meta, tensors, max_shard_size)
+
+
+def _write_folder(folder: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                  max_shard_size: int | str | None) -> Path:
+    """The weights first, then ``selfspec_heads.json`` (a folder with the JSON has its weights)."""
     _write_tensors(tensors, folder, meta["family"], max_shard_size)
     (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return folder
@@ -183,8 +189,7 @@ def export_heads(source: str | Path, folder: str | Path, dtype: torch.dtype | No
     folder.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         meta["dtype"] = str(dtype).removeprefix("torch.")
-    _write_tensors(tensors, folder, meta["family"], max_shard_size)
-    (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    _write_folder(folder, meta, tensors, max_shard_size)
     for extra in ("README.md", "train_config.json"):
         if (source / extra).is_file() and source.resolve() != folder.resolve():
             (folder / extra).write_bytes((source / extra).read_bytes())
@@ -274,7 +279,8 @@ def _check_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], folder: 
     if wrong:
         problems.append(f"wrong shapes {wrong}")
     if problems:
-        raise SelfspecError(f"the weights in {folder} do not match its {module.config.family} config: {'; '.join(problems)}")
+        raise SelfspecError(f"the weights in {folder} do not match its {module.config.family} config: "
+                            f"{'; '.join(problems)}")
 
 
 def load_heads(base: nn.Module | str, folder: str | Path, tokenizer=None) -> tuple[nn.Module, Drafter]:
