@@ -24,7 +24,7 @@ import torch
 from selfspec.data import apply_chat_template, load_prompts
 from selfspec.engine import sync_device
 from selfspec.errors import SelfspecError
-from selfspec.memory import counted_bytes, parse_bytes, predict_target, storages
+from selfspec.memory import DTYPES, counted_bytes, parse_bytes, predict_target, storages
 from selfspec.zoo import load_model
 
 from . import report as report_mod
@@ -33,7 +33,6 @@ from .methods import BASE_METHODS, Method, build_methods, heads_folders
 from .metrics import summarize
 from .prompts import load_bench_prompts
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:

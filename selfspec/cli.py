@@ -17,12 +17,11 @@ DEMO_PROMPT = ("Write a Python function `is_palindrome(s)` that ignores case and
 
 
 def _dtype(name: str):
-    import torch
+    from .memory import DTYPES
 
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise SelfspecError(f"unknown dtype '{name}'; choose one of {', '.join(table)}")
-    return table[name]
+    if name not in DTYPES:
+        raise SelfspecError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def cmd_models(args: argparse.Namespace) -> int:

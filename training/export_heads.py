@@ -11,12 +11,11 @@ convention (heads-00001-of-00003.safetensors + heads.safetensors.index.json).
 import argparse
 import sys
 
-import torch
-
 from selfspec.checkpoint import export_heads, heads_info
 from selfspec.errors import SelfspecError
+from selfspec.memory import DTYPES as MODEL_DTYPES
 
-DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"keep": None, **MODEL_DTYPES}
 
 
 def main() -> int:
