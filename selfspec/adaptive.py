@@ -2,26 +2,69 @@
 
 The controller keeps running estimates of
   * t1: the time of one plain step (a one-token target pass),
-  * the verify-cost slope: a pass over n nodes costs about t1 * (1 + slope * (n - 1)),
-  * the drafting time per depth, and nodes drafted per depth (trees branch),
+  * the verify cost by tree size (``VerifyCost``): what a pass over n nodes costs, in plain passes,
+    measured for each size that has been verified. On a CPU it is far from linear (Qwen2.5-1.5B, fp32,
+    2 cores: 2 nodes 1.09x, 4 nodes 2.11x, 16 nodes 3.48x), so one slope would overrate mid-size trees;
+  * the drafting time per depth, and the nodes a depth-k draft holds (trees branch),
   * alpha_d: P(depth d accepted | depth d-1 accepted).
 For depth k the expected gain is E(k) = 1 + sum_{d<=k} prod_{j<=d} alpha_j tokens per pass, at cost
-C(k) = verify(1 + nodes_per_depth * k) + draft_per_depth * k. It picks the k with the best E/C, and
+C(k) = t1 * ratio(nodes(k)) + draft_per_depth * k. It picks the k with the best E/C, and
 when even that is below plain decoding's 1 / t1 it turns speculation off, probing again after a
 back-off that doubles while speculation keeps losing. The very first step is plain, to measure t1.
 
 ``DepthPolicy`` keeps one controller per draft *source*: a drafter made of several (prompt lookup
 in front of heads) has each judged on its own record, so weak heads switching themselves off do not
-also silence free lookup drafts that the target keeps accepting.
+also silence free lookup drafts that the target keeps accepting. The verify cost is the target's, the
+same whoever drafted, so the sources share one ``VerifyCost``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
 def _ema(old: float | None, new: float, w: float = 0.2) -> float:
     return new if old is None else (1 - w) * old + w * new
+
+
+@dataclass
+class VerifyCost:
+    """What a verification pass costs by tree size, in plain (one-token) passes, as measured here.
+
+    ``ratios[n]`` is a running average of (time of an n-node pass) / t1 for each size n verified so
+    far (1 node costs 1.0). A size not measured yet is guessed optimistically, so that it gets tried
+    and measured: the nearest measured smaller size plus ``prior_slope`` per extra node (a pass never
+    costs less for more nodes), but no more than the nearest measured larger size.
+    """
+
+    t1: float | None = None
+    prior_slope: float = 0.08
+    ratios: dict[int, float] = field(default_factory=dict)
+
+    def record_plain(self, seconds: float) -> None:
+        """A one-token target pass took ``seconds``."""
+        self.t1 = _ema(self.t1, seconds)
+
+    def record(self, nodes: int, seconds: float) -> None:
+        """A pass over ``nodes`` nodes (root included) took ``seconds``."""
+        if self.t1 and nodes > 1:
+            self.ratios[nodes] = _ema(self.ratios.get(nodes), seconds / self.t1)
+
+    def _measured(self, n: int) -> float | None:
+        return 1.0 if n <= 1 else self.ratios.get(n)
+
+    def ratio(self, nodes: float) -> float:
+        """Predicted cost of a ``nodes``-node pass relative to a plain pass (a fractional size, an
+        average, lies between its two neighbours)."""
+        lo, hi = math.floor(nodes), math.ceil(nodes)
+        r_lo, r_hi = self._measured(lo), self._measured(hi)
+        if r_lo is not None and r_hi is not None:
+            return r_lo + (nodes - lo) * (r_hi - r_lo)
+        below = max(n for n in (1, *self.ratios) if n <= nodes)
+        guess = self._measured(below) + self.prior_slope * (nodes - below)
+        above = [n for n in self.ratios if n >= nodes]
+        return min(guess, self.ratios[min(above)]) if above else guess
 
 
 @dataclass
@@ -33,10 +76,10 @@ class AdaptiveDepth:
     prior_alpha: float = 0.6
     prior_weight: float = 2.0
     decay: float = 0.95
-    t1: float | None = None
-    slope: float = 0.08
+    cost: VerifyCost = field(default_factory=VerifyCost)
     draft_per_depth: float | None = None
-    nodes_per_depth: float = 1.0
+    nodes_per_depth: float = 1.0  # before depth k was drafted, a depth-k draft is guessed to hold 1 + k * this
+    nodes_at: dict[int, float] = field(default_factory=dict)  # depth -> nodes its drafts held (running average)
     hits: list[float] = field(default_factory=list)
     tries: list[float] = field(default_factory=list)
     backoff: int = 4
@@ -56,6 +99,15 @@ class AdaptiveDepth:
             out.append(prior)
         return out
 
+    @property
+    def t1(self) -> float | None:
+        """The plain-step time measured so far."""
+        return self.cost.t1
+
+    def expected_nodes(self, k: int) -> float:
+        """Nodes (root included) a depth-k draft is expected to hold."""
+        return self.nodes_at.get(k, 1 + self.nodes_per_depth * k)
+
     def expected_rate(self, k: int) -> float:
         """Predicted tokens per second when drafting to depth k (k = 0: plain decoding)."""
         t1 = self.t1 or 1.0
@@ -65,8 +117,7 @@ class AdaptiveDepth:
         for a in self.alphas(k):
             run *= a
             gain += run
-        nodes = 1 + self.nodes_per_depth * k
-        cost = t1 * (1 + self.slope * (nodes - 1)) + (self.draft_per_depth or 0.0) * k
+        cost = t1 * self.cost.ratio(self.expected_nodes(k)) + (self.draft_per_depth or 0.0) * k
         return gain / cost
 
     def choose(self) -> int:
@@ -88,7 +139,7 @@ class AdaptiveDepth:
 
     def record_plain(self, seconds: float) -> None:
         """A one-token target pass took ``seconds``."""
-        self.t1 = _ema(self.t1, seconds)
+        self.cost.record_plain(seconds)
 
     def record_speculative(self, depth: int, nodes: int, accepted: int, draft_s: float, verify_s: float) -> None:
         """A pass verified ``nodes`` nodes (root included) of a depth-``depth`` draft and kept ``accepted``."""
@@ -103,24 +154,24 @@ class AdaptiveDepth:
                 self.hits[d] += 1
         self.draft_per_depth = _ema(self.draft_per_depth, draft_s / depth)
         self.nodes_per_depth = _ema(self.nodes_per_depth, (nodes - 1) / depth)
-        if self.t1 and nodes > 1:
-            self.slope = max(_ema(self.slope, (verify_s / self.t1 - 1) / (nodes - 1)), 0.0)
+        self.nodes_at[depth] = _ema(self.nodes_at.get(depth), nodes)
+        self.cost.record(nodes, verify_s)
 
 
 @dataclass
 class DepthPolicy:
-    """One ``AdaptiveDepth`` per draft source; plain-step timings are shared (a plain step is the same
-    whoever would have drafted)."""
+    """One ``AdaptiveDepth`` per draft source, all sharing one ``VerifyCost`` (a plain step and an
+    n-node pass cost the same whoever drafted)."""
 
     max_depth: int
     enabled: bool = True
-    t1: float | None = None
+    cost: VerifyCost = field(default_factory=VerifyCost)
     sources: dict[str, AdaptiveDepth] = field(default_factory=dict)
 
     def controller(self, source: str) -> AdaptiveDepth:
-        """The source's controller; a new one starts from the plain-step time measured so far."""
+        """The source's controller; a new one starts from the costs measured so far."""
         if source not in self.sources:
-            self.sources[source] = AdaptiveDepth(self.max_depth, enabled=self.enabled, t1=self.t1)
+            self.sources[source] = AdaptiveDepth(self.max_depth, enabled=self.enabled, cost=self.cost)
         return self.sources[source]
 
     def choose(self, source: str) -> int:
@@ -133,9 +184,7 @@ class DepthPolicy:
         return max((ctrl.expected_rate(k) for k in range(1, ctrl.max_depth + 1)), default=0.0)
 
     def record_plain(self, seconds: float) -> None:
-        self.t1 = _ema(self.t1, seconds)
-        for ctrl in self.sources.values():
-            ctrl.record_plain(seconds)
+        self.cost.record_plain(seconds)
 
     def record_speculative(self, source: str, depth: int, nodes: int, accepted: int, draft_s: float,
                            verify_s: float) -> None:

@@ -3,7 +3,7 @@ switches speculation off (with occasional probes) when they are not."""
 
 from __future__ import annotations
 
-from selfspec.adaptive import AdaptiveDepth, DepthPolicy
+from selfspec.adaptive import AdaptiveDepth, DepthPolicy, VerifyCost
 
 
 def _run(accept_prob: float, steps: int = 200, slope: float = 0.1, draft_cost: float = 0.05) -> list[int]:
@@ -43,11 +43,48 @@ def test_disabled_controller_always_drafts_max_depth() -> None:
 
 
 def test_expected_rate_matches_formula() -> None:
-    ctrl = AdaptiveDepth(max_depth=3, prior_weight=0.0, t1=2.0, slope=0.5, draft_per_depth=0.0)
+    cost = VerifyCost(t1=2.0, ratios={3: 2.0})
+    ctrl = AdaptiveDepth(max_depth=3, prior_weight=0.0, cost=cost, draft_per_depth=0.1, nodes_at={2: 3.0})
     ctrl.hits, ctrl.tries = [1.0, 1.0], [2.0, 2.0]  # alpha = 0.5 at depths 1 and 2
-    # E(2) = 1 + 0.5 + 0.25; C(2) = 2 * (1 + 0.5 * 2)
-    assert abs(ctrl.expected_rate(2) - 1.75 / 4.0) < 1e-12
+    # E(2) = 1 + 0.5 + 0.25; C(2) = t1 * ratio(3 nodes) + 0.1 * 2
+    assert abs(ctrl.expected_rate(2) - 1.75 / 4.2) < 1e-12
     assert ctrl.expected_rate(0) == 0.5
+
+
+def test_verify_cost_uses_measured_sizes_and_guesses_the_others_optimistically() -> None:
+    cost = VerifyCost(prior_slope=0.1)
+    assert abs(cost.ratio(9) - 1.8) < 1e-12  # nothing measured: 1 + 0.1 * 8
+    cost.record(4, 3.0)  # no plain step timed yet: nothing to divide by
+    assert cost.ratios == {}
+    cost.record_plain(0.5)
+    cost.record(4, 1.0)  # 2x a plain pass
+    cost.record(5, 1.5)  # 3x
+    cost.record(16, 2.0)  # 4x
+    assert cost.ratio(1) == 1.0 and cost.ratio(4) == 2.0 and cost.ratio(16) == 4.0
+    assert abs(cost.ratio(4.5) - 2.5) < 1e-12  # an average between two measured sizes
+    assert abs(cost.ratio(2) - 1.1) < 1e-12  # unmeasured: 1 node's cost + 0.1 per node, to be tried
+    assert abs(cost.ratio(8) - 3.3) < 1e-12  # 5 nodes' cost + 0.1 * 3
+    assert cost.ratio(15.9) == 4.0  # the guess is capped by the next measured size
+    assert abs(cost.ratio(20) - 4.4) < 1e-12  # past the largest measured size
+
+
+def test_mid_size_trees_that_cost_more_than_a_slope_predicts_are_avoided() -> None:
+    """Verify cost as measured on a CPU: 2 nodes cheap, 3 or more about twice a plain pass. Depth 1 is
+    always accepted, depth 2 four times in five: a 2-node chain gives 2 / 1.05 tokens per plain-pass
+    time, a 3-node one 2.8 / 2.0. One slope fitted to the larger trees (0.3-0.5 per node) would rate
+    them 2.8 / 1.6-2.0 against 2 / 1.3-1.5 and keep drafting to depth 2."""
+    costs = {2: 1.05, 3: 2.0, 4: 2.1, 5: 2.2}
+    ctrl = AdaptiveDepth(max_depth=4)
+    ctrl.record_plain(1.0)
+    for i in range(200):
+        k = ctrl.choose()
+        if k == 0:
+            ctrl.record_plain(1.0)
+            continue
+        accepted = min(k, 2 if i % 5 < 4 else 1)
+        ctrl.record_speculative(k, k + 1, accepted, 0.0, costs[k + 1])
+    assert ctrl.cost.ratios[2] == 1.05
+    assert [ctrl.choose() for _ in range(20)] == [1] * 20
 
 
 def test_policy_judges_each_source_on_its_own_record() -> None:
@@ -76,8 +113,9 @@ def test_rate_ranks_sources_by_their_record_without_changing_it() -> None:
     policy = DepthPolicy(max_depth=4)
     policy.record_plain(1.0)
     for _ in range(10):
-        policy.record_speculative("good", 4, 5, 4, 0.0, 2.0)
-        policy.record_speculative("bad", 4, 5, 0, 0.0, 2.0)
+        for depth, seconds in ((4, 2.0), (1, 1.1)):  # every depth it could choose has a record
+            policy.record_speculative("good", depth, depth + 1, depth, 0.0, seconds)
+            policy.record_speculative("bad", depth, depth + 1, 0, 0.0, seconds)
     before = (policy.controller("bad").plain_left, policy.controller("bad").backoff)
     assert policy.rate("good") > 1.0 > policy.rate("bad")  # 1.0: plain decoding's tokens/s here
     assert (policy.controller("bad").plain_left, policy.controller("bad").backoff) == before
