@@ -10,7 +10,7 @@ The controller keeps running estimates of
 For depth k the expected gain is E(k) = 1 + sum_{d<=k} prod_{j<=d} alpha_j tokens per pass, at cost
 C(k) = t1 * ratio(nodes(k)) + draft_per_depth * k. It picks the k with the best E/C, and
 when even that is below plain decoding's 1 / t1 it turns speculation off, probing again after a
-back-off that doubles while speculation keeps losing. The very first step is plain, to measure t1.
+back-off that doubles while speculation keeps losing. The first steps are plain, to measure t1.
 
 ``DepthPolicy`` keeps one controller per draft *source*: a drafter made of several (prompt lookup
 in front of heads) has each judged on its own record, so weak heads switching themselves off do not
@@ -32,19 +32,35 @@ def _ema(old: float | None, new: float, w: float = 0.2) -> float:
 class VerifyCost:
     """What a verification pass costs by tree size, in plain (one-token) passes, as measured here.
 
+    ``t1``, the plain-step time, is the lower median of the last ``window`` plain steps. On a shared
+    machine noise only ever slows a pass, and one slow step taken as the norm would make every draft
+    look cheap: speculation would then run on and never step plain again to correct it. The controller
+    waits for ``min_plain`` plain steps before its first draft.
     ``ratios[n]`` is a running average of (time of an n-node pass) / t1 for each size n verified so
     far (1 node costs 1.0). A size not measured yet is guessed optimistically, so that it gets tried
     and measured: the nearest measured smaller size plus ``prior_slope`` per extra node (a pass never
     costs less for more nodes), but no more than the nearest measured larger size.
     """
 
-    t1: float | None = None
     prior_slope: float = 0.08
+    window: int = 8
+    min_plain: int = 2
+    plain: list[float] = field(default_factory=list)  # the last ``window`` plain-step times
     ratios: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def t1(self) -> float | None:
+        """The plain-step time (None before any plain step)."""
+        return sorted(self.plain)[(len(self.plain) - 1) // 2] if self.plain else None
+
+    @property
+    def ready(self) -> bool:
+        """Enough plain steps timed to judge drafts against."""
+        return len(self.plain) >= self.min_plain
 
     def record_plain(self, seconds: float) -> None:
         """A one-token target pass took ``seconds``."""
-        self.t1 = _ema(self.t1, seconds)
+        self.plain = (self.plain + [seconds])[-self.window:]
 
     def record(self, nodes: int, seconds: float) -> None:
         """A pass over ``nodes`` nodes (root included) took ``seconds``."""
@@ -124,7 +140,7 @@ class AdaptiveDepth:
         """Depth to draft next step; 0 means a plain step."""
         if not self.enabled or self.max_depth == 0:
             return self.max_depth
-        if self.t1 is None:
+        if not self.cost.ready:
             return 0
         best = max(range(1, self.max_depth + 1), key=self.expected_rate)
         if self.expected_rate(best) > self.expected_rate(0):

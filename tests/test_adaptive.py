@@ -21,8 +21,28 @@ def _run(accept_prob: float, steps: int = 200, slope: float = 0.1, draft_cost: f
     return chosen
 
 
-def test_first_step_is_plain_to_measure_cost() -> None:
-    assert _run(0.9, steps=1) == [0]
+def test_first_steps_are_plain_to_measure_cost() -> None:
+    assert _run(0.9, steps=3)[:2] == [0, 0]
+
+
+def test_one_slow_plain_step_does_not_make_drafts_look_cheap() -> None:
+    """A hiccup on the first plain step (5x the true 1.0 s) must not set the yardstick: a tree that
+    costs 3x a plain pass and gains 1.4 tokens loses, and the controller must find that out."""
+    cost = VerifyCost()
+    for seconds in (5.0, 1.0, 1.1):
+        cost.record_plain(seconds)
+    assert cost.t1 == 1.1  # lower median, not the mean (2.37) nor the first sample
+    ctrl = AdaptiveDepth(max_depth=3)
+    ctrl.record_plain(5.0)
+    chosen = []
+    for i in range(100):
+        k = ctrl.choose()
+        chosen.append(k)
+        if k == 0:
+            ctrl.record_plain(1.0)
+        else:
+            ctrl.record_speculative(k, 16, 1 if i % 5 < 2 else 0, 0.0, 3.0)
+    assert chosen[-30:].count(0) >= 25
 
 
 def test_useless_drafts_switch_speculation_off() -> None:
@@ -43,7 +63,7 @@ def test_disabled_controller_always_drafts_max_depth() -> None:
 
 
 def test_expected_rate_matches_formula() -> None:
-    cost = VerifyCost(t1=2.0, ratios={3: 2.0})
+    cost = VerifyCost(plain=[2.0], ratios={3: 2.0})
     ctrl = AdaptiveDepth(max_depth=3, prior_weight=0.0, cost=cost, draft_per_depth=0.1, nodes_at={2: 3.0})
     ctrl.hits, ctrl.tries = [1.0, 1.0], [2.0, 2.0]  # alpha = 0.5 at depths 1 and 2
     # E(2) = 1 + 0.5 + 0.25; C(2) = t1 * ratio(3 nodes) + 0.1 * 2
@@ -57,6 +77,7 @@ def test_verify_cost_uses_measured_sizes_and_guesses_the_others_optimistically()
     cost.record(4, 3.0)  # no plain step timed yet: nothing to divide by
     assert cost.ratios == {}
     cost.record_plain(0.5)
+    assert cost.t1 == 0.5
     cost.record(4, 1.0)  # 2x a plain pass
     cost.record(5, 1.5)  # 3x
     cost.record(16, 2.0)  # 4x
@@ -75,7 +96,6 @@ def test_mid_size_trees_that_cost_more_than_a_slope_predicts_are_avoided() -> No
     them 2.8 / 1.6-2.0 against 2 / 1.3-1.5 and keep drafting to depth 2."""
     costs = {2: 1.05, 3: 2.0, 4: 2.1, 5: 2.2}
     ctrl = AdaptiveDepth(max_depth=4)
-    ctrl.record_plain(1.0)
     for i in range(200):
         k = ctrl.choose()
         if k == 0:
@@ -90,7 +110,8 @@ def test_mid_size_trees_that_cost_more_than_a_slope_predicts_are_avoided() -> No
 def test_policy_judges_each_source_on_its_own_record() -> None:
     """Drafts from a source that always misses switch that source off, not another that keeps hitting."""
     policy = DepthPolicy(max_depth=4)
-    assert policy.choose("heads") == 0  # first step plain, to measure t1
+    assert policy.choose("heads") == 0  # first steps plain, to measure t1
+    policy.record_plain(1.0)
     policy.record_plain(1.0)
     for _ in range(60):
         for source, accepted in (("heads", 0), ("lookup", None)):
@@ -103,14 +124,16 @@ def test_policy_judges_each_source_on_its_own_record() -> None:
     assert policy.choose("lookup") == 4
 
 
-def test_a_new_source_starts_from_the_measured_plain_step() -> None:
+def test_a_new_source_starts_from_the_measured_plain_steps() -> None:
     policy = DepthPolicy(max_depth=3)
+    policy.record_plain(2.0)
     policy.record_plain(2.0)
     assert policy.controller("new").t1 == 2.0 and policy.choose("new") > 0  # no extra plain step to measure
 
 
 def test_rate_ranks_sources_by_their_record_without_changing_it() -> None:
     policy = DepthPolicy(max_depth=4)
+    policy.record_plain(1.0)
     policy.record_plain(1.0)
     for _ in range(10):
         for depth, seconds in ((4, 2.0), (1, 1.1)):  # every depth it could choose has a record
