@@ -68,6 +68,31 @@ def test_training_lowers_loss_and_freezes_the_base(family: str, chat_file: Path,
     assert got.tokens == hf_greedy(model, prompt, 24)
 
 
+def test_bf16_mixed_precision_runs_the_whole_loss_in_bf16(chat_file: Path, tmp_path: Path, monkeypatch) -> None:
+    """``--mixed-precision bf16`` puts the frozen LM head (most of an EAGLE step's cost) in bf16 too; the loss still falls."""
+    from accelerate.state import AcceleratorState
+
+    import selfspec.train.losses as losses
+
+    seen, lm = [], losses._lm
+
+    def spy(*args, **kwargs):
+        logits = lm(*args, **kwargs)
+        seen.append(logits.dtype)
+        return logits
+
+    monkeypatch.setattr(losses, "_lm", spy)
+    AcceleratorState._reset_state(True)  # a process trains with one precision; this test switches it
+    try:
+        train(_cfg("eagle", chat_file, tmp_path, mixed_precision="bf16", epochs=4), tiny_model(0, vocab=VOCAB),
+              make_tokenizer())
+    finally:
+        AcceleratorState._reset_state(True)
+    assert torch.bfloat16 in seen
+    losses_ = _losses(tmp_path)
+    assert sum(losses_[-3:]) / 3 < 0.8 * sum(losses_[:3]) / 3
+
+
 def test_resume_reproduces_the_uninterrupted_run(chat_file: Path, tmp_path: Path) -> None:
     tok = make_tokenizer()
     full = train(_cfg("eagle", chat_file, tmp_path / "full"), tiny_model(0, vocab=VOCAB), tok)

@@ -214,7 +214,8 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
         batches = accelerator.skip_first_batches(loader, done_in_epoch) if done_in_epoch else loader
         for batch in batches:
             with accelerator.accumulate(heads):
-                loss, parts = head_loss(cfg.family, heads, target, with_features(batch, cfg, target, heads), cfg)
+                with accelerator.autocast():  # mixed precision covers the whole loss, the frozen LM head included
+                    loss, parts = head_loss(cfg.family, heads, target, with_features(batch, cfg, target, heads), cfg)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)

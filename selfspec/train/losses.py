@@ -109,7 +109,7 @@ def eagle_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor
     x, m, f = batch["input_ids"], batch["loss_mask"].bool(), batch["f"]
     rows = inner(head).d2t
     with torch.no_grad():  # the target's distribution at every loss position, once for all steps
-        teacher = F.softmax(_lm(target, f[m].float(), rows), -1)
+        teacher = F.softmax(_lm(target, f[m].float(), rows).float(), -1)
     position = torch.arange(f.shape[1], device=f.device).expand_as(m)[m]  # of each teacher row
     total, logs = f.new_zeros(()), {}
     for k, pred in enumerate(eagle_unroll(head, target, f, x, steps), start=1):
@@ -122,7 +122,7 @@ def eagle_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor
         truth = f[:, k:k + n][keep].float()
         guess = pred[:, :n][keep].float()
         reg = F.smooth_l1_loss(guess, truth)
-        draft_logp = F.log_softmax(_lm(target, guess, rows), -1)
+        draft_logp = F.log_softmax(_lm(target, guess, rows).float(), -1)  # fp32 softmax under autocast too
         soft_ce = -(teacher[position >= k] * draft_logp).sum(-1).mean()
         total = total + decay ** (k - 1) * (reg + token_weight * soft_ce)
         logs[f"reg{k}"], logs[f"soft_ce{k}"] = reg.item(), soft_ce.item()
