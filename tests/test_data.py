@@ -176,6 +176,15 @@ def test_gz_and_json_lines_inside_dot_json(tmp_path: Path) -> None:
     assert len(data.load_chat_dataset(str(lines), split="all")) == 2
 
 
+def test_json_lines_keep_line_separators_inside_strings(tmp_path: Path) -> None:
+    """U+2028 and friends, written raw by ``ensure_ascii=False`` (models do emit them), are not line breaks."""
+    texts = ["a\u2028b", "c\u2029d\x85e", "f\x1cg\x0bh\x0ci"]
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\r\n" for t in texts), encoding="utf-8")
+    got = data.load_chat_dataset(str(path), split="all")
+    assert [m[0]["content"] for m in got["messages"]] == texts
+
+
 # ---------------------------------------------------------------------------------- errors
 
 

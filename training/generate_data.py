@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from selfspec.data import apply_chat_template, load_chat_dataset
+from selfspec.data import apply_chat_template, jsonl_lines, load_chat_dataset
 from selfspec.errors import SelfspecError
 from selfspec.zoo import load_model
 
@@ -36,7 +36,7 @@ def done_ids(path: Path) -> set[str]:
     if not path.exists():
         return set()
     ids = set()
-    for line in path.read_text().splitlines():
+    for line in jsonl_lines(path.read_text(encoding="utf-8")):
         try:
             ids.add(json.loads(line)["id"])
         except (json.JSONDecodeError, KeyError):

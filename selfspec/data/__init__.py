@@ -33,7 +33,7 @@ from .formats import (
     normalize_role,
     prompt_of,
 )
-from .jsonio import iter_json_array, read_records
+from .jsonio import iter_json_array, jsonl_lines, read_records
 from .load import example_features, examples_to_dataset, iter_examples, load_chat_dataset, load_prompts
 from .sources import (
     HUMANEVAL_MEMBER,
@@ -61,7 +61,7 @@ __all__ = [
     "detect_form", "example_features", "examples_to_dataset", "file_examples", "from_humaneval",
     "from_messages", "from_mtbench", "from_prompt", "from_sharegpt", "has_chat_template",
     "heldout_score", "hub_examples", "humaneval_examples", "in_split", "iter_examples",
-    "iter_json_array", "iter_sharegpt_records", "load_chat_dataset", "load_prompts",
+    "iter_json_array", "iter_sharegpt_records", "jsonl_lines", "load_chat_dataset", "load_prompts",
     "normalize_records", "normalize_role", "prompt_of", "read_records", "sharegpt_cache_path",
     "sharegpt_examples", "sharegpt_split_key", "tokenize_for_training", "wheels_dir",
 ]

@@ -80,10 +80,16 @@ def _open_text(path: Path) -> TextIO:
     return path.open(encoding="utf-8")
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of JSON Lines ``text``: split at ``\n`` only (``str.splitlines`` would also split inside
+    strings at U+2028, U+0085 and other characters that JSON, written with ``ensure_ascii=False``, keeps raw)."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def _parse_jsonl(text: str, path: Path) -> list[Any]:
     """The records of JSON Lines ``text`` (blank lines skipped); bad lines name ``path`` and line."""
     records = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(jsonl_lines(text), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
