@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
     p.add_argument("--max-depth", type=int, default=16, help="selfspec: deepest draft")
     p.add_argument("--max-nodes", type=int, default=16, help="selfspec: largest draft tree, root included")
+    p.add_argument("--fixed-tree", action="store_true",
+                   help="selfspec: draft --max-depth levels (--max-nodes nodes) at every step instead of letting the "
+                        "adaptive controller pick the depth or step plain: the drafter's own acceptance (tau), the "
+                        "way papers report it; use its own --out")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="selfspec draft-model: draft over this many frequent token ids only (0: the whole vocabulary)")
     p.add_argument("--no-lookup", action="store_true",
@@ -82,7 +86,7 @@ def run_one(method: Method, target, ids: list[int], args: argparse.Namespace) ->
     if cuda:
         sync_device(target.device)
         torch.cuda.reset_peak_memory_stats(target.device)
-    run = method.run(target, ids, args.max_new_tokens, args.max_depth, args.max_nodes)
+    run = method.run(target, ids, args.max_new_tokens, args.max_depth, args.max_nodes, adaptive=not args.fixed_tree)
     if cuda:
         run.cuda_peak_bytes = torch.cuda.max_memory_allocated(target.device)
     return {**vars(run), "prompt_tokens": len(ids)}
@@ -142,7 +146,8 @@ def speed_at(method: Method, target, ids: list[int], args: argparse.Namespace, f
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), target.device)
     try:
-        run = method.run(target, ids, min(args.max_new_tokens, 64), args.max_depth, args.max_nodes)
+        run = method.run(target, ids, min(args.max_new_tokens, 64), args.max_depth, args.max_nodes,
+                         adaptive=not args.fixed_tree)
         return {"context": len(ids), "tokens_per_s": len(run.tokens) / run.seconds}
     except torch.cuda.OutOfMemoryError:
         return {"context": len(ids), "error": "out of memory"}

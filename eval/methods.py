@@ -56,11 +56,13 @@ class Method:
     assistant: nn.Module | None = None
     heads_dir: str | None = None
 
-    def run(self, target: nn.Module, ids: list[int], max_new: int, max_depth: int, max_nodes: int) -> Run:
-        """Greedy decoding of ``ids``; new tokens up to and including EOS."""
+    def run(self, target: nn.Module, ids: list[int], max_new: int, max_depth: int, max_nodes: int,
+            adaptive: bool = True) -> Run:
+        """Greedy decoding of ``ids``; new tokens up to and including EOS. ``adaptive=False``: every step
+        drafts ``max_depth`` levels (``max_nodes`` nodes), whether or not it pays."""
         if self.kind == "hf":
             return run_hf(target, ids, max_new, self.assistant)
-        cfg = DecodeConfig(max_new_tokens=max_new, max_depth=max_depth, max_nodes=max_nodes)
+        cfg = DecodeConfig(max_new_tokens=max_new, max_depth=max_depth, max_nodes=max_nodes, adaptive=adaptive)
         res = SpeculativeEngine(target, self.drafter).generate(ids, cfg)
         s = res.stats
         return Run(res.tokens, s.total_s, s.mean_accepted, s.target_forwards, s.reached_depth, s.accepted_at_depth,

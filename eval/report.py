@@ -24,6 +24,10 @@ def markdown(report: dict) -> str:
     if "draft-model" in s["categories"][OVERALL] and not setup.get("no_lookup"):
         lines += ["selfspec `draft-model` drafts by prompt lookup where the context repeats itself (an n-gram of "
                   "3+ tokens seen before) and with the draft model elsewhere (`--no-lookup`: the draft model alone).", ""]
+    if setup.get("fixed_tree"):
+        lines += [f"`--fixed-tree`: selfspec methods draft {setup['max_depth']} levels ({setup['max_nodes']} nodes) at "
+                  "every step, without the adaptive controller: tau is the drafters' own acceptance, and tokens/s "
+                  "what that costs when every step drafts.", ""]
     if any(m.endswith("+lookup") for m in s["categories"][OVERALL]):
         lines += ["`<heads>+lookup`: the same heads, drafting by prompt lookup where the context repeats itself "
                   "and with the heads elsewhere.", ""]

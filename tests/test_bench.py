@@ -131,6 +131,19 @@ def test_head_method_with_lookup_wraps_the_same_heads(tmp_path):
         build_methods(["medusa+lookup"], target, None, None, {"eagle": str(tmp_path / "e")})
 
 
+def test_fixed_tree_drafts_at_every_step():
+    """``--fixed-tree``: every target pass checks a draft (the heads' own tau); adaptive steps plain at first."""
+    from selfspec_eval.methods import Method
+
+    target = tiny_model(0, vocab=64)
+    drafter = make_drafter(init_heads("eagle", target, draft_vocab_size=32), target)
+    method, ids = Method("eagle", "selfspec", drafter), [5, 6, 7, 8, 9, 10]
+    fixed, adaptive = method.run(target, ids, 16, 3, 8, adaptive=False), method.run(target, ids, 16, 3, 8)
+    assert fixed.tokens == adaptive.tokens == Method("plain", "selfspec").run(target, ids, 16, 3, 8).tokens
+    assert fixed.reached_depth[0] == fixed.target_forwards - 1  # a draft at every pass but the last (1 token left)
+    assert adaptive.reached_depth[0] <= adaptive.target_forwards - 3  # it times two plain steps first
+
+
 def test_prompt_lookup_adds_only_the_tree():
     target = tiny_model(0, vocab=64)
     drafter = PromptLookupDrafter()
