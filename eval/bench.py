@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.data import apply_chat_template, load_prompts
+from selfspec.data import apply_chat_template, load_prompts, read_records
 from selfspec.engine import sync_device
 from selfspec.errors import SelfspecError
 from selfspec.memory import DTYPES, counted_bytes, parse_bytes, predict_target, storages
@@ -98,8 +98,7 @@ def run_questions(methods: list[Method], target, tokenizer, prompts, args: argpa
 
     done = {}
     if log.exists():
-        for line in log.read_text().splitlines():
-            r = json.loads(line)
+        for r in read_records(log):
             done[(r["prompt"], r["method"])] = r
     for m in methods:  # warm-up: kernels, allocator, lazy inits
         m.run(target, apply_chat_template(tokenizer, prompts[0].messages([]))[:16], 4, args.max_depth, args.max_nodes)
@@ -208,7 +207,7 @@ def bench(args: argparse.Namespace) -> dict:
         run_questions(methods, target, tok, prompts, args, log)
     if not log.exists():
         raise SelfspecError(f"no runs in {out} to report")
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows = read_records(log)
     rows = [r for r in rows if r["method"] in names]
     summary = summarize(rows, names)
     plain = "plain" if "plain" in names else summary["baseline"]

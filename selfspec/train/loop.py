@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..checkpoint import load_heads, save_heads
-from ..data import load_chat_dataset
+from ..data import load_chat_dataset, read_records
 from ..errors import SelfspecError
 from ..heads import init_heads
 from ..zoo import load_model
@@ -114,7 +114,7 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
 
 def model_card(cfg: TrainConfig, log_path: Path, examples: int, heads) -> str:
     """A short README for the heads folder: base, data, steps, time, held-out top-1 per depth."""
-    rows = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.is_file() else []
+    rows = read_records(log_path) if log_path.is_file() else []
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "heldout_top1_by_depth" in r]
     top1 = ", ".join(f"{a:.3f}" for a in evals[-1]["heldout_top1_by_depth"]) if evals else "not evaluated"
