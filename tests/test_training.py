@@ -69,19 +69,26 @@ def test_training_lowers_loss_and_freezes_the_base(family: str, chat_file: Path,
 
 
 def test_bf16_mixed_precision_runs_the_whole_loss_in_bf16(chat_file: Path, tmp_path: Path, monkeypatch) -> None:
-    """``--mixed-precision bf16`` puts the frozen LM head (most of an EAGLE step's cost) in bf16 too; the loss still falls."""
+    """``--mixed-precision bf16`` puts the frozen LM head (most of an EAGLE step's cost) and the target's pass
+    that fills the feature cache in bf16 too; the loss still falls."""
     from accelerate.state import AcceleratorState
 
+    import selfspec.train.loop as loop
     import selfspec.train.losses as losses
 
-    seen, lm = [], losses._lm
+    seen, lm, features, autocast_in_features = [], losses._lm, loop.target_features, []
 
     def spy(*args, **kwargs):
         logits = lm(*args, **kwargs)
         seen.append(logits.dtype)
         return logits
 
+    def features_spy(*args, **kwargs):
+        autocast_in_features.append(torch.is_autocast_enabled("cpu"))
+        return features(*args, **kwargs)
+
     monkeypatch.setattr(losses, "_lm", spy)
+    monkeypatch.setattr(loop, "target_features", features_spy)
     AcceleratorState._reset_state(True)  # a process trains with one precision; this test switches it
     try:
         train(_cfg("eagle", chat_file, tmp_path, mixed_precision="bf16", epochs=4), tiny_model(0, vocab=VOCAB),
@@ -89,6 +96,7 @@ def test_bf16_mixed_precision_runs_the_whole_loss_in_bf16(chat_file: Path, tmp_p
     finally:
         AcceleratorState._reset_state(True)
     assert torch.bfloat16 in seen
+    assert True in autocast_in_features  # the feature cache was filled under autocast
     losses_ = _losses(tmp_path)
     assert sum(losses_[-3:]) / 3 < 0.8 * sum(losses_[:3]) / 3
 

@@ -172,8 +172,12 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
             signature = {"base": cfg.base_model, "data": cfg.data, "max_examples": cfg.max_examples,
                          "max_length": cfg.max_length, "heldout_fraction": cfg.heldout_fraction,
                          "exit_layer": inner(heads).config.exit_layer if cfg.family == "early-exit" else None}
-            train_set = build_feature_cache(lambda ids: target_features(cfg.family, target, heads, ids),
-                                            train_ex, keys, Path(cfg.feature_dir or out / "features"),
+
+            def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+                with accelerator.autocast():  # the precision of the uncached path (bf16: ~3x faster on AMX)
+                    return target_features(cfg.family, target, heads, ids)
+
+            train_set = build_feature_cache(features, train_ex, keys, Path(cfg.feature_dir or out / "features"),
                                             accelerator.device, signature)
     else:
         train_set = TokenDataset(train_ex)
