@@ -132,6 +132,14 @@ def test_flags_map_onto_the_config(tmp_path: Path) -> None:
     assert cfg.head_args == {"num_heads": 3, "num_layers": 2}
 
 
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "training" / "configs").glob("*.json")),
+                         ids=lambda p: p.name)
+def test_committed_training_configs_parse(path: Path) -> None:
+    """Every recipe under training/configs names only real TrainConfig fields and a known family."""
+    cfg = parse_config(["--config", str(path)])
+    assert cfg.family in ("eagle", "medusa", "early-exit") and cfg.base_model
+
+
 def test_eagle_unroll_sees_what_drafting_sees():
     """Unrolled step k, row t equals drafting k steps from root t+1 with the head's own cache (real pairs 0..t)."""
     from selfspec.heads import init_heads
