@@ -1,4 +1,4 @@
-"""The training conversations of the committed Qwen2.5-Coder-1.5B EAGLE-style heads.
+"""Training conversations for Qwen2.5-Coder-1.5B EAGLE-style heads (the code-mix retraining in its model card).
 
     python training/recipes/qwen-code-mix.py --out runs/data/qwen-code-mix.jsonl
 
@@ -9,11 +9,11 @@ Writes ``{"id", "category", "messages"}`` lines, which ``train_heads.py --data``
 """
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 from selfspec.data import iter_examples
+from selfspec.data.jsonio import write_jsonl_atomic
 
 CODE = re.compile(r"```|\bdef |\bfunction\b|\bpython\b|\bjavascript\b|\bjava\b|\bc\+\+|\bcode\b|\bsql\b"
                   r"|\bscript\b|\bclass\b|\bimplement|\bprogram", re.I)
@@ -32,10 +32,10 @@ def select(n_code: int, n_other: int, max_chars: int) -> list[dict]:
             (code if CODE.search(user) else other).append(ex)
         if len(code) >= n_code and len(other) >= n_other:
             break
-    rows = []
-    for i, ex in enumerate(code[:n_code]):
+    code, other, rows = code[:n_code], other[:n_other], []
+    for i, ex in enumerate(code):
         rows.append(ex)
-        if i % 2 == 1 and i // 2 < len(other[:n_other]):
+        if i % 2 == 1 and i // 2 < len(other):
             rows.append(other[i // 2])
     return rows
 
@@ -48,12 +48,8 @@ def main() -> None:
     p.add_argument("--max-chars", type=int, default=800, help="longest first user turn kept")
     args = p.parse_args()
     rows = select(args.code, args.other, args.max_chars)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        for ex in rows:
-            f.write(json.dumps({"id": ex["id"], "category": ex["category"], "messages": ex["messages"]},
-                               ensure_ascii=False) + "\n")
-    print(f"{len(rows)} conversations -> {args.out}")
+    count = write_jsonl_atomic(Path(args.out), ({k: ex[k] for k in ("id", "category", "messages")} for ex in rows))
+    print(f"{count} conversations -> {args.out}")
 
 
 if __name__ == "__main__":
