@@ -195,3 +195,40 @@ def test_feature_cache_resumes_grows_and_rebuilds(tmp_path: Path, monkeypatch) -
     calls.clear()
     features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "base": "other"})
     assert len(calls) == 14  # another model: everything is rebuilt
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_target_features_are_the_full_models_last_hidden_states(arch: str) -> None:
+    """The cache runs the decoder without the LM head; its states must be the full model's ``hidden_states[-1]``."""
+    from selfspec.train.losses import target_features
+
+    model = tiny_model(0, vocab=VOCAB, arch=arch)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding, as pad_batch makes it
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    got = target_features("eagle", model, None, ids, mask)["f"]
+    assert torch.equal(got, want)
+
+
+def test_generate_data_head_fix_keeps_batched_output(monkeypatch) -> None:
+    """The self-distillation script's contiguous-input hook on the LM head changes no generated token."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_data", Path(__file__).parents[1] / "training" /
+                                                  "generate_data.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    model, tok = tiny_model(0, vocab=VOCAB), make_tokenizer()
+    prompts = [tok.encode("say it 1"), tok.encode("a longer prompt here")]
+    seen = []
+    spy = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous()))
+    before = gen.generate_batch(model, tok, prompts, 12, 0.0)
+    assert False in seen  # generate passes the head a non-contiguous slice (the case the fix is for)
+    spy.remove()
+    gen.contiguous_head_input(model)
+    seen.clear()
+    model.get_output_embeddings().register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous()))
+    after = gen.generate_batch(model, tok, prompts, 12, 0.0)
+    assert all(seen) and after == before and len(after) == 2

@@ -44,6 +44,12 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
+def contiguous_head_input(model) -> None:
+    """Make the LM head's input contiguous: after prefill ``generate`` passes it a slice (B, 1, H), which
+    torch's CPU matmul turns into a batched product copying the whole head B times (seconds per batch)."""
+    model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(), *args[1:]))
+
+
 @torch.no_grad()
 def generate_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[str]:
     """Left-padded batched generation; returns the decoded replies."""
@@ -74,6 +80,7 @@ def main() -> int:
     args = p.parse_args()
     try:
         model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        contiguous_head_input(model)
         ds = load_chat_dataset(args.data, split=args.split, limit=args.max_examples)
     except SelfspecError as exc:
         print(f"generate_data: error: {exc}", file=sys.stderr)

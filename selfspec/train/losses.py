@@ -38,8 +38,10 @@ def feature_keys(family: str) -> tuple[str, ...]:
 def target_features(family: str, target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The frozen target's states for a (B, T) batch: ``f`` (final normed) and, for early exit, ``exit``."""
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
-    feats = {"f": out.hidden_states[-1]}
+    # the decoder alone: its last state is hidden_states[-1] of the full model, and skipping the LM head
+    # matters on CPU, where a (1, 1, H) row through a large vocabulary is slow under bf16 autocast
+    decoder = target.get_decoder()
+    feats = {"f": decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state}
     if family == "early-exit":
         cut = truncated_decoder(target, inner(heads).config.exit_layer)
         feats["exit"] = cut(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
