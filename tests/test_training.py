@@ -212,7 +212,7 @@ def test_target_features_are_the_full_models_last_hidden_states(arch: str) -> No
     assert torch.equal(got, want)
 
 
-def test_generate_data_head_fix_keeps_batched_output(monkeypatch) -> None:
+def test_generate_data_head_fix_keeps_batched_output() -> None:
     """The self-distillation script's contiguous-input hook on the LM head changes no generated token."""
     import importlib.util
 
