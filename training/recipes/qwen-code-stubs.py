@@ -1,0 +1,136 @@
+"""Function-completion prompts written by the target itself, for heads that draft code completions.
+
+HumanEval asks a model to complete a function from its signature and docstring; ShareGPT has
+almost none of those (105 Python functions with a docstring in 11k conversations), so heads
+trained on it draft the target's completions poorly. This recipe has the target invent such
+exercises (self-instruct), then turns them into completion prompts whose replies
+``generate_data.py`` self-distills as usual:
+
+    python training/recipes/qwen-code-stubs.py requests --out runs/data/stub-requests.jsonl --n 700
+    python training/generate_data.py --model qwen2.5-coder-1.5b-instruct --data runs/data/stub-requests.jsonl \\
+        --split all --temperature 0.8 --seed 0 --max-new-tokens 200 --batch-size 48 --dtype bfloat16 \\
+        --out runs/data/stubs-raw.jsonl
+    python training/recipes/qwen-code-stubs.py prompts --stubs runs/data/stubs-raw.jsonl --out runs/data/stub-prompts.jsonl
+    python training/generate_data.py ... --data runs/data/stub-prompts.jsonl --split all --out runs/data/qwen-selfdistill.jsonl
+
+HumanEval is the benchmark, so it never enters training: a stub is dropped when it defines a
+function named like any HumanEval function or shares an 8-word run with any HumanEval prompt.
+"""
+
+import argparse
+import ast
+import random
+import re
+from pathlib import Path
+
+from selfspec.data import HUMANEVAL_TEMPLATE, humaneval_examples, load_chat_dataset
+from selfspec.data.jsonio import write_jsonl_atomic
+
+SUBJECTS = [
+    "lists of integers", "lists of floats", "strings", "words in a sentence", "characters of a string",
+    "dictionaries", "nested lists", "matrices", "tuples of coordinates", "sets", "prime numbers",
+    "digits of an integer", "binary strings", "dates written as strings", "intervals", "brackets",
+    "vowels and consonants", "palindromes", "Fibonacci-like sequences", "grades of students",
+    "prices and discounts", "temperatures", "time given in minutes", "file paths", "email addresses",
+    "version strings", "run-length encoding", "anagrams", "stack of plates", "bank account balances",
+    "shopping carts", "geometric shapes", "polynomials given as coefficient lists", "roman numerals",
+    "hexadecimal numbers", "sorted arrays", "histograms", "scores of a game", "DNA sequences", "graphs as adjacency lists",
+]
+TASKS = [
+    "filtering", "counting", "sorting by a custom key", "finding the maximum or minimum", "checking a property",
+    "summing or averaging", "transforming each element", "grouping", "removing duplicates", "parsing",
+    "validating input", "merging two inputs", "finding a pair with a property", "rotating or shifting",
+    "computing a running total", "comparing two inputs", "encoding or decoding", "searching",
+]
+REQUEST = ("Invent a short Python programming exercise about {subject}, on {task}. Write only the function "
+           "header: the imports it needs, the def line with type hints, and a docstring that states the task "
+           "and gives two or three >>> examples with their results. Do not write the function body.")
+
+CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
+DEF_NAME = re.compile(r"^\s*def (\w+)\(", re.M)
+
+
+def requests(n: int, seed: int) -> list[dict]:
+    """``n`` exercise requests over distinct (subject, task) pairs, in a seeded order."""
+    pairs = [(s, t) for s in SUBJECTS for t in TASKS]
+    random.Random(seed).shuffle(pairs)
+    return [{"id": f"stub-request-{i}", "category": "code",
+             "messages": [{"role": "user", "content": REQUEST.format(subject=s, task=t)}]}
+            for i, (s, t) in enumerate(pairs[:n])]
+
+
+def stub_of(reply: str) -> str | None:
+    """Imports, one ``def`` line and its docstring from the first Python block of ``reply``, or None."""
+    block = CODE_BLOCK.search(reply)
+    if block is None:
+        return None
+    try:
+        tree = ast.parse(block.group(1))
+    except SyntaxError:
+        return None
+    lines = block.group(1).splitlines()
+    imports = [ast.get_source_segment(block.group(1), n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    if len(funcs) != 1 or ast.get_docstring(funcs[0]) is None or ">>>" not in ast.get_docstring(funcs[0]):
+        return None
+    doc = funcs[0].body[0]
+    head = "\n".join(lines[funcs[0].lineno - 1 - len(funcs[0].decorator_list):doc.end_lineno])
+    return ("\n".join(imports) + "\n\n\n" if imports else "") + head + "\n"
+
+
+def word_runs(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def humaneval_guard() -> tuple[set[str], set[tuple[str, ...]]]:
+    """Every function name and every 8-word run of the HumanEval prompts."""
+    names, runs = set(), set()
+    for ex in humaneval_examples():
+        text = ex["messages"][0]["content"]
+        names.update(DEF_NAME.findall(text))
+        runs |= word_runs(text)
+    return names, runs
+
+
+def prompts(stub_file: str) -> list[dict]:
+    """Completion prompts from the target's exercises: parsed, deduplicated and kept clear of HumanEval."""
+    names, runs = humaneval_guard()
+    rows, seen, dropped = [], set(), {"unparsed": 0, "humaneval": 0, "duplicate": 0}
+    for ex in load_chat_dataset(stub_file, split="all"):
+        reply = next((m["content"] for m in ex["messages"] if m["role"] == "assistant"), "")
+        stub = stub_of(reply)
+        if stub is None:
+            dropped["unparsed"] += 1
+            continue
+        name = DEF_NAME.search(stub).group(1)
+        if name in names or word_runs(stub) & runs:
+            dropped["humaneval"] += 1
+            continue
+        if name in seen:
+            dropped["duplicate"] += 1
+            continue
+        seen.add(name)
+        rows.append({"id": f"stub-{name}", "category": "code",
+                     "messages": [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=stub)}]})
+    print(f"kept {len(rows)}, dropped {dropped}")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="step", required=True)
+    r = sub.add_parser("requests", help="write exercise requests for generate_data.py")
+    r.add_argument("--out", required=True)
+    r.add_argument("--n", type=int, default=700)
+    r.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("prompts", help="turn the generated exercises into completion prompts")
+    s.add_argument("--stubs", required=True, help="generate_data.py's output for the requests")
+    s.add_argument("--out", required=True)
+    args = p.parse_args()
+    rows = requests(args.n, args.seed) if args.step == "requests" else prompts(args.stubs)
+    print(f"{write_jsonl_atomic(Path(args.out), iter(rows))} conversations -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
