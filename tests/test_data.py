@@ -489,12 +489,13 @@ def test_code_stub_recipe_parses_stubs_and_keeps_humaneval_out(tmp_path: Path, m
            reply("count_odd", "Count them again."),  # same name: a duplicate
            reply("has_close_elements", "Any two close?"),  # a HumanEval name
            reply("close_pair", "Check if in given list of numbers, are any two numbers closer to each other"),
-           "no code here", '```python\ndef f(:\n```', reply("no_examples", "x").replace(">>>", "")]
+           "no code here", '```python\ndef f(:\n```', '```python\ndef no_doc(x):\n    return x\n```',
+           reply("cut_short", "Cut short.", body="    return sum(x for x in")[:-3]]  # no closing fence
     rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": "write one"}, {"role": "assistant", "content": r}]}
             for i, r in enumerate(raw)]
     (tmp_path / "raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = stubs.prompts(str(tmp_path / "raw.jsonl"))
-    assert [r["id"] for r in got] == ["stub-count_odd"]
+    assert [r["id"] for r in got] == ["stub-count_odd", "stub-cut_short"]
     stub = got[0]["messages"][0]["content"]
     assert stub == data.HUMANEVAL_TEMPLATE.format(prompt='from typing import List\n\n\ndef count_odd(xs: List[int]) -> '
                                                   'int:\n    """Count the odd numbers.\n\n    >>> count_odd([1])\n'

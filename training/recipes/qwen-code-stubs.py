@@ -14,7 +14,8 @@ exercises (self-instruct), then turns them into completion prompts whose replies
     python training/generate_data.py ... --data runs/data/stub-prompts.jsonl --split all --out runs/data/qwen-selfdistill.jsonl
 
 HumanEval is the benchmark, so it never enters training: a stub is dropped when it defines a
-function named like any HumanEval function or shares an 8-word run with any HumanEval prompt.
+function named like any HumanEval function or shares a run of 8 words (numbers skipped) with any
+HumanEval prompt. A reply cut short still gives its stub if the docstring is whole.
 """
 
 import argparse
@@ -46,7 +47,8 @@ REQUEST = ("Invent a short Python programming exercise about {subject}, on {task
            "header: the imports it needs, the def line with type hints, and a docstring that states the task "
            "and gives two or three >>> examples with their results. Do not write the function body.")
 
-CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)```", re.S)
+CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)(?:```|\Z)", re.S)  # a reply cut short leaves it open
+DOC_START = re.compile(r"^def \w+\(.*?\).*?:[ \t]*\n[ \t]+(\"\"\"|\'\'\')", re.M | re.S)
 DEF_NAME = re.compile(r"^\s*def (\w+)\(", re.M)
 
 
@@ -60,26 +62,28 @@ def requests(n: int, seed: int) -> list[dict]:
 
 
 def stub_of(reply: str) -> str | None:
-    """Imports, one ``def`` line and its docstring from the first Python block of ``reply``, or None."""
+    """Imports, the first top-level ``def`` line and its docstring from the first Python block of ``reply``."""
     block = CODE_BLOCK.search(reply)
-    if block is None:
+    start = DOC_START.search(block.group(1)) if block else None
+    end = block.group(1).find(start.group(1), start.end()) if start else -1
+    if end < 0:
         return None
+    code = block.group(1)[:end + 3]  # up to the docstring's end: the body, if any, is cut off
     try:
-        tree = ast.parse(block.group(1))
+        tree = ast.parse(code)
     except SyntaxError:
         return None
-    lines = block.group(1).splitlines()
-    imports = [ast.get_source_segment(block.group(1), n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-    if len(funcs) != 1 or ast.get_docstring(funcs[0]) is None or ">>>" not in ast.get_docstring(funcs[0]):
+    imports = [ast.get_source_segment(code, n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    func = tree.body[-1]
+    if not isinstance(func, ast.FunctionDef) or ast.get_docstring(func) is None:
         return None
-    doc = funcs[0].body[0]
-    head = "\n".join(lines[funcs[0].lineno - 1 - len(funcs[0].decorator_list):doc.end_lineno])
+    head = "\n".join(code.splitlines()[func.lineno - 1:])
     return ("\n".join(imports) + "\n\n\n" if imports else "") + head + "\n"
 
 
 def word_runs(text: str, n: int = 8) -> set[tuple[str, ...]]:
-    words = re.findall(r"\w+", text.lower())
+    """Runs of ``n`` words (numbers skipped: "1 2 3 4 5 6 7 8" is in every example list)."""
+    words = re.findall(r"[a-z_]\w*", text.lower())
     return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
