@@ -60,6 +60,8 @@ DEF_NAME = re.compile(r"^\s*def (\w+)\(", re.M)
 def requests(n: int, seed: int) -> list[dict]:
     """``n`` exercise requests over distinct (subject, task) pairs, in a seeded order."""
     pairs = [(s, t) for s in SUBJECTS for t in TASKS]
+    if not 0 < n <= len(pairs):
+        raise SystemExit(f"qwen-code-stubs.py: error: --n must be 1..{len(pairs)} (subjects x tasks), got {n}")
     random.Random(seed).shuffle(pairs)
     return [{"id": f"stub-request-{i}", "category": "code",
              "messages": [{"role": "user", "content": REQUEST.format(subject=s, task=t)}]}
@@ -131,7 +133,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="step", required=True)
     r = sub.add_parser("requests", help="write exercise requests for generate_data.py")
     r.add_argument("--out", required=True)
-    r.add_argument("--n", type=int, default=700)
+    r.add_argument("--n", type=int, default=len(SUBJECTS) * len(TASKS), help="requests (default: every pair)")
     r.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("prompts", help="turn the generated exercises into completion prompts")
     s.add_argument("--stubs", required=True, help="generate_data.py's output for the requests")
