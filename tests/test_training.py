@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import hf_greedy, tiny_model
+from conftest import hf_greedy, load_script, tiny_model
 from selfspec.checkpoint import load_heads
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
@@ -214,12 +214,7 @@ def test_target_features_are_the_full_models_last_hidden_states(arch: str) -> No
 
 def test_generate_data_head_fix_keeps_batched_output() -> None:
     """The self-distillation script's contiguous-input hook on the LM head changes no generated token."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("generate_data", Path(__file__).parents[1] / "training" /
-                                                  "generate_data.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script("training/generate_data.py")
     model, tok = tiny_model(0, vocab=VOCAB), make_tokenizer()
     prompts = [tok.encode("say it 1"), tok.encode("a longer prompt here")]
     seen = []
