@@ -145,9 +145,28 @@ def test_eagle_tree_equals_uncached_recomputation(seed: int) -> None:
                     feats, toks = torch.cat([feats, pred[None]]), toks + [tok]
                 embeds = model.get_input_embeddings()(torch.tensor(toks))
                 pred = heads(feats[None], embeds[None], torch.arange(len(toks))[None])[0, -1]
-            top, _ = drafter._top(pred[None], 3)
+            top, _ = drafter._top(dstate, pred[None], 3)
             kids = [int(tree.tokens[c]) for c in tree.children[node]]
             assert set(kids) <= set(top[0]) and top[0][0] in kids
+
+
+def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:
+    """A reduced draft vocabulary (here ids 0..7) is widened per sequence by its prompt and committed tokens."""
+    model = tiny_model(1, layers=2)
+    drafter = make_drafter(init_heads("eagle", model, top_k=3, draft_vocab_size=8), model)
+    prompt = [20, 3, 30, 40, 30, 5]
+    state, hs = prefill(model, torch.tensor(prompt), hidden_states=True)
+    dstate = drafter.start(DraftContext(state.tokens, state.cache_len, hs))
+    assert dstate.context_ids == [20, 30, 40]
+    lm_rows = model.get_output_embeddings().weight
+    for token in (40, 3):  # a feature along a token's LM-head row makes it the head's first choice
+        top, logp = drafter._top(dstate, 50 * lm_rows[token][None], 3)
+        assert top[0][0] == token and len(set(top[0])) == 3
+        assert torch.tensor(logp[0]).exp().sum() <= 1.0 + 1e-5
+    longer, more = prefill(model, torch.tensor(prompt + [50, 60]), hidden_states=True)  # two tokens committed
+    ctx = DraftContext(longer.tokens, longer.cache_len, tuple(h[state.cache_len:] for h in more))
+    drafter.propose(drafter.observe(dstate, ctx), ctx, DraftRequest(3, 8, SamplingConfig()))
+    assert dstate.context_ids == [20, 30, 40, 50, 60]
 
 
 @pytest.mark.parametrize("family", list(HYPER))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from conftest import hf_greedy, load_script, tiny_model
 from selfspec.checkpoint import load_heads
@@ -122,6 +123,26 @@ def test_init_from_continues_from_a_heads_folder(chat_file: Path, tmp_path: Path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(SelfspecError, match="does not fit"):
         train(_cfg("eagle", chat_file, tmp_path / "c", init_from=str(first)), tiny_model(0, vocab=VOCAB), tok)
+
+
+def test_a_continued_run_keeps_or_recounts_its_draft_vocabulary(chat_file: Path, tmp_path: Path) -> None:
+    """--init-from keeps the heads' draft vocabulary; --recount-draft-vocab chooses it again from the run's data."""
+    tok, args = make_tokenizer(), {"draft_vocab_size": 8}
+    first = train(_cfg("eagle", chat_file, tmp_path / "a", head_args=args, epochs=1), tiny_model(0, vocab=VOCAB), tok)
+    weights = first / "heads.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    counted = tensors["d2t"].clone()
+    tensors["d2t"] = torch.arange(8)  # as if the first run had drafted over other tokens
+    save_file(tensors, str(weights), metadata=meta)
+    assert not torch.equal(counted, tensors["d2t"])
+    runs = {}
+    for name, recount in (("kept", False), ("recounted", True)):
+        folder = train(_cfg("eagle", chat_file, tmp_path / name, head_args=args, init_from=str(first),
+                            recount_draft_vocab=recount, learning_rate=0.0, epochs=1), tiny_model(0, vocab=VOCAB), tok)
+        runs[name] = load_file(str(folder / "heads.safetensors"))["d2t"]
+    assert torch.equal(runs["kept"], torch.arange(8))
+    assert torch.equal(runs["recounted"], counted)
 
 
 def test_flags_map_onto_the_config(tmp_path: Path) -> None:

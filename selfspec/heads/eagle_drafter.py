@@ -11,7 +11,12 @@ with the best cumulative log-probability are expanded in ONE pass of the head (a
 depth d is pair R + d - 1, input = its parent's output feature and its own token; a tree mask lets
 it see the committed cache, its drafted ancestors and itself), each adding its top-k children. The
 best ``max_nodes - 1`` nodes by cumulative log-probability (ancestor-closed) form the draft. The
-head's cache is then cropped back to the committed pairs. Children are picked deterministically
+head's cache is then cropped back to the committed pairs.
+
+Vocabulary: a head trained with a reduced draft vocabulary (EAGLE-3's ``d2t``) cannot propose a token
+outside it, and replies reuse their context's rare words (names, identifiers, a prompt's ``>>>``
+doctest lines). So each sequence drafts over ``d2t`` plus every context token outside it: the prompt's
+and each committed token's LM-head rows are gathered as they arrive (a few hundred rows at most). Children are picked deterministically
 (top-k), so the tree carries no draft probabilities: exact in sampling mode too, if less accepting
 than sampled drafts.
 """
@@ -39,6 +44,9 @@ class EagleState:
     cached: int = 0
     pending: torch.Tensor | None = None  # (m, H): features of pairs cached .. cached + m - 1
     root_feature: torch.Tensor | None = None  # (H,): the head's output for pair cached - 1
+    context_ids: list[int] = field(default_factory=list)  # context tokens outside d2t, drafted too
+    context_weight: torch.Tensor | None = None  # (len(context_ids), H): their LM-head rows
+    context_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -111,11 +119,14 @@ class EagleDrafter(Drafter):
         # the LM head's rows for the draft vocabulary, gathered once (a copy of draft_vocab x H when reduced)
         self.lm_weight, self.lm_bias = lm_head_rows(target, None if full else head.d2t)
         self.d2t = head.d2t.cpu()
+        vocab = target.get_output_embeddings().out_features
+        self.in_d2t = None if full else torch.zeros(vocab, dtype=torch.bool).index_fill_(0, self.d2t, True)
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> EagleState:
         """Feed the prompt's pairs through the head (its prefill)."""
         state = self.observe(EagleState(self.head.new_cache()), ctx)
+        self._add_context(state, ctx.tokens.tolist())
         self._catch_up(state, ctx)
         return state
 
@@ -130,9 +141,26 @@ class EagleDrafter(Drafter):
                                f"queued != {ctx.cache_len} cached by the target")
         return state
 
-    def _log_probs(self, feats: torch.Tensor) -> torch.Tensor:
-        """(n, H) features -> (n, draft_vocab) log-probabilities."""
-        return nn.functional.linear(feats, self.lm_weight, self.lm_bias).float().log_softmax(-1)
+    def _add_context(self, state: EagleState, tokens: list[int]) -> None:
+        """Let this sequence draft the given context tokens that the reduced vocabulary lacks."""
+        if self.in_d2t is None:
+            return
+        ids = torch.tensor(tokens, dtype=torch.long)
+        new = sorted(set(ids[~self.in_d2t[ids]].tolist()) - set(state.context_ids))
+        if not new:
+            return
+        weight, bias = lm_head_rows(self.target, torch.tensor(new))
+        cat = lambda old, rows: rows if old is None else torch.cat([old, rows])  # noqa: E731
+        state.context_ids += new
+        state.context_weight = cat(state.context_weight, weight)
+        state.context_bias = None if bias is None else cat(state.context_bias, bias)
+
+    def _log_probs(self, state: EagleState, feats: torch.Tensor) -> torch.Tensor:
+        """(n, H) features -> (n, draft_vocab + context tokens) log-probabilities."""
+        logits = nn.functional.linear(feats, self.lm_weight, self.lm_bias)
+        if state.context_ids:
+            logits = torch.cat([logits, nn.functional.linear(feats, state.context_weight, state.context_bias)], -1)
+        return logits.float().log_softmax(-1)
 
     def _run(self, feats: torch.Tensor, tokens: list[int], positions: list[int], cache: object,
              mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,19 +177,21 @@ class EagleDrafter(Drafter):
             return
         m, start = state.pending.shape[0], state.cached
         tokens = ctx.tokens[start + 1:start + m + 1].tolist()  # x_{t+1} for each queued pair t; the last is the root
+        self._add_context(state, tokens)
         out = self._run(state.pending.to(self.lm_weight.dtype), tokens, list(range(start, start + m)), state.cache)
         state.cached, state.pending, state.root_feature = start + m, None, out[-1]
 
-    def _top(self, feats: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    def _top(self, state: EagleState, feats: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
         """Top-k target token ids and their log-probabilities for each of (n, H) features."""
-        top = self._log_probs(feats).topk(k, dim=-1)
-        return self.d2t[top.indices.cpu()].tolist(), top.values.cpu().tolist()
+        top = self._log_probs(state, feats).topk(k, dim=-1)
+        ids = torch.cat([self.d2t, torch.tensor(state.context_ids, dtype=self.d2t.dtype)])
+        return ids[top.indices.cpu()].tolist(), top.values.cpu().tolist()
 
     def _grow(self, state: EagleState, root_feat: torch.Tensor, depth: int, budget: int) -> Candidates:
         """EAGLE-2 expansion, depth by depth; the head's cache holds the expanded nodes afterwards."""
         k = min(self.top_k, self.d2t.numel())
         cand, out_feat, slot = Candidates(), {-1: root_feat}, {}
-        toks, scores = self._top(root_feat[None], k)
+        toks, scores = self._top(state, root_feat[None], k)
         for t, s in zip(toks[0], scores[0]):
             cand.add(t, -1, s)
         frontier = list(range(len(cand.tokens)))
@@ -175,7 +205,7 @@ class EagleDrafter(Drafter):
             feats = torch.stack([out_feat[cand.parents[i]] for i in expand])
             outs = self._run(feats, [cand.tokens[i] for i in expand], [state.cached + d - 1] * len(expand),
                              state.cache, mask)
-            toks, scores = self._top(outs, k)
+            toks, scores = self._top(state, outs, k)
             frontier = []
             for j, node in enumerate(expand):
                 slot[node], out_feat[node] = cache_len + j, outs[j]

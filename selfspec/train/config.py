@@ -24,6 +24,7 @@ class TrainConfig:
     family: str = "eagle"  # medusa | eagle | early-exit
     head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
     init_from: str = ""  # a heads folder to continue from (same family and shapes), e.g. a shorter run's
+    recount_draft_vocab: bool = False  # EAGLE with --init-from: choose the draft vocabulary again from this run's data
     data: str = "sharegpt"  # sharegpt | humaneval | .json/.jsonl file (e.g. generate_data.py's) | hub id; or several, comma-separated
     max_examples: int = 2000
     max_length: int = 512

@@ -163,7 +163,7 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
                                 f"{str(exc).splitlines()[-1].strip()}") from exc
     train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
     eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
-    if not cfg.init_from:  # a continued run keeps its draft vocabulary
+    if not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
         set_draft_vocab(heads, train_ex, target.get_output_embeddings().out_features)
     keys = feature_keys(cfg.family)
     if cfg.cache_features:
