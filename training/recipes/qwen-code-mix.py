@@ -4,7 +4,8 @@
 
 A coder is benchmarked on code and on chat, so its heads learn from both: from the ShareGPT train
 split, conversations whose first user turn is at most 800 characters (so that a 320-token example
-keeps room for the reply), 400 about code (the regex below) and 200 others, interleaved two to one.
+keeps room for the reply), 400 about code (the regex below) and 200 others, interleaved two to one
+(others beyond half the code ones follow at the end).
 Writes ``{"id", "category", "messages"}`` lines, which ``train_heads.py --data`` reads as they are.
 """
 
@@ -24,7 +25,7 @@ def first_user_turn(messages: list[dict]) -> str:
 
 
 def select(n_code: int, n_other: int, max_chars: int) -> list[dict]:
-    """``n_code`` code conversations with one other after every second, in ShareGPT order."""
+    """``n_code`` code conversations with one other after every second, in ShareGPT order; extra others last."""
     code, other = [], []
     for ex in iter_examples("sharegpt", "train", 0.02):
         user = first_user_turn(ex["messages"])
@@ -37,7 +38,7 @@ def select(n_code: int, n_other: int, max_chars: int) -> list[dict]:
         rows.append(ex)
         if i % 2 == 1 and i // 2 < len(other):
             rows.append(other[i // 2])
-    return rows
+    return rows + other[len(code) // 2:]
 
 
 def main() -> None:
