@@ -497,3 +497,13 @@ def test_code_stub_recipe_parses_stubs_and_keeps_humaneval_out(tmp_path: Path, m
                                                   'int:\n    """Count the odd numbers.\n\n    >>> count_odd([1])\n'
                                                   '    1\n    """\n')
     assert "pass" not in stub and len(stubs.requests(5, 0)) == 5
+
+
+def test_code_mix_recipe_interleaves_two_to_one_then_the_other_conversations(monkeypatch: pytest.MonkeyPatch) -> None:
+    mix = load_script("training/recipes/qwen-code-mix.py")
+    chats = [("c1", "write python code"), ("o1", "a poem"), ("c2", "def f(): fix it"), ("o2", "x" * 900),
+             ("o3", "a story"), ("c3", "sql query"), ("o4", "hello"), ("o5", "why"), ("c4", "java class")]
+    examples = [{"id": i, "messages": [{"role": "user", "content": text}]} for i, text in chats]
+    monkeypatch.setattr(mix, "iter_examples", lambda name, split, fraction: iter(examples))
+    assert [ex["id"] for ex in mix.select(3, 4, 800)] == ["c1", "c2", "o1", "c3", "o3", "o4", "o5"]
+    assert [ex["id"] for ex in mix.select(4, 1, 800)] == ["c1", "c2", "o1", "c3", "c4"]

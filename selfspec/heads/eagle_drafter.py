@@ -11,14 +11,14 @@ with the best cumulative log-probability are expanded in ONE pass of the head (a
 depth d is pair R + d - 1, input = its parent's output feature and its own token; a tree mask lets
 it see the committed cache, its drafted ancestors and itself), each adding its top-k children. The
 best ``max_nodes - 1`` nodes by cumulative log-probability (ancestor-closed) form the draft. The
-head's cache is then cropped back to the committed pairs.
+head's cache is then cropped back to the committed pairs. Children are picked deterministically
+(top-k), so the tree carries no draft probabilities: exact in sampling mode too, if less accepting
+than sampled drafts.
 
 Vocabulary: a head trained with a reduced draft vocabulary (EAGLE-3's ``d2t``) cannot propose a token
 outside it, and replies reuse their context's rare words (names, identifiers, a prompt's ``>>>``
 doctest lines). So each sequence drafts over ``d2t`` plus every context token outside it: the prompt's
-and each committed token's LM-head rows are gathered as they arrive (a few hundred rows at most). Children are picked deterministically
-(top-k), so the tree carries no draft probabilities: exact in sampling mode too, if less accepting
-than sampled drafts.
+and each committed token's LM-head rows are gathered as they arrive (a few hundred rows at most).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class EagleState:
     context_ids: list[int] = field(default_factory=list)  # context tokens outside d2t, drafted too
     context_weight: torch.Tensor | None = None  # (len(context_ids), H): their LM-head rows
     context_bias: torch.Tensor | None = None
+    draft_ids: torch.Tensor | None = None  # d2t + context_ids: target id of each drafted logit
 
 
 @dataclass
@@ -103,6 +104,10 @@ def expansion_mask(cand: Candidates, nodes: list[int], slot: dict[int, int], com
     return mask[None, None].to(device)
 
 
+def _append(rows: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more if rows is None else torch.cat([rows, more])
+
+
 class EagleDrafter(Drafter):
     """Drafts EAGLE-2 dynamic trees with an :class:`EagleHead` on a frozen target."""
 
@@ -150,10 +155,10 @@ class EagleDrafter(Drafter):
         if not new:
             return
         weight, bias = lm_head_rows(self.target, torch.tensor(new))
-        cat = lambda old, rows: rows if old is None else torch.cat([old, rows])  # noqa: E731
         state.context_ids += new
-        state.context_weight = cat(state.context_weight, weight)
-        state.context_bias = None if bias is None else cat(state.context_bias, bias)
+        state.context_weight = _append(state.context_weight, weight)
+        state.context_bias = None if bias is None else _append(state.context_bias, bias)
+        state.draft_ids = torch.cat([self.d2t, torch.tensor(state.context_ids, dtype=self.d2t.dtype)])
 
     def _log_probs(self, state: EagleState, feats: torch.Tensor) -> torch.Tensor:
         """(n, H) features -> (n, draft_vocab + context tokens) log-probabilities."""
@@ -184,7 +189,7 @@ class EagleDrafter(Drafter):
     def _top(self, state: EagleState, feats: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
         """Top-k target token ids and their log-probabilities for each of (n, H) features."""
         top = self._log_probs(state, feats).topk(k, dim=-1)
-        ids = torch.cat([self.d2t, torch.tensor(state.context_ids, dtype=self.d2t.dtype)])
+        ids = self.d2t if state.draft_ids is None else state.draft_ids
         return ids[top.indices.cpu()].tolist(), top.values.cpu().tolist()
 
     def _grow(self, state: EagleState, root_feat: torch.Tensor, depth: int, budget: int) -> Candidates:
