@@ -124,8 +124,7 @@ class EagleDrafter(Drafter):
         # the LM head's rows for the draft vocabulary, gathered once (a copy of draft_vocab x H when reduced)
         self.lm_weight, self.lm_bias = lm_head_rows(target, None if full else head.d2t)
         self.d2t = head.d2t.cpu()
-        vocab = target.get_output_embeddings().out_features
-        self.in_d2t = None if full else torch.zeros(vocab, dtype=torch.bool).index_fill_(0, self.d2t, True)
+        self.reduced = not full
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> EagleState:
@@ -148,10 +147,10 @@ class EagleDrafter(Drafter):
 
     def _add_context(self, state: EagleState, tokens: list[int]) -> None:
         """Let this sequence draft the given context tokens that the reduced vocabulary lacks."""
-        if self.in_d2t is None:
+        if not self.reduced:
             return
         ids = torch.tensor(tokens, dtype=torch.long)
-        new = sorted(set(ids[~self.in_d2t[ids]].tolist()) - set(state.context_ids))
+        new = sorted(set(ids[~torch.isin(ids, self.d2t)].tolist()) - set(state.context_ids))
         if not new:
             return
         weight, bias = lm_head_rows(self.target, torch.tensor(new))
