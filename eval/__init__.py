@@ -6,4 +6,5 @@
     budgets.py   memory added per method (counted and predicted) and what fits a memory budget
     report.py    JSON, Markdown and PNG plots
     bench.py     the command: runs everything interleaved, resumable, and writes the report
+    vllm_client.py  vLLM's methods: a worker process in vLLM's own environment (vllm_worker.py)
 """

@@ -23,15 +23,19 @@ import torch
 
 from selfspec.data import apply_chat_template, load_prompts, read_records
 from selfspec.engine import sync_device
+from selfspec.target_pass import AUTO_BACKEND_HELP, BACKENDS, make_target_pass
 from selfspec.errors import SelfspecError
-from selfspec.memory import DTYPES, counted_bytes, parse_bytes, predict_target, storages
-from selfspec.zoo import load_model
+from selfspec.dtypes import DTYPE_CHOICES, dtype_name
+from selfspec.memory import counted_bytes, model_dtype, parse_bytes, predict_target, storages
+from selfspec.zoo import load_model, resolve
 
 from . import report as report_mod
 from .budgets import budget_table, measured_added, predicted_added
-from .methods import BASE_METHODS, Method, build_methods, heads_folders
+from .divergences import check_outputs, failure_message, real_divergences, verdicts
+from .methods import BASE_METHODS, VLLM_METHODS, Method, build_methods, heads_folders
 from .metrics import summarize
 from .prompts import load_bench_prompts
+from .vllm_client import WorkerConfig, missing_environment
 
 
 
@@ -45,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a heads checkpoint to benchmark (repeatable); checkpoints/<model>-<family> are added "
                         "automatically")
     p.add_argument("--methods", help="comma-separated, in order (default: every available one of "
-                   f"{', '.join(BASE_METHODS)}, medusa, eagle, early-exit); a head method with "
+                   f"{', '.join(BASE_METHODS)}, medusa, eagle, early-exit, {', '.join(VLLM_METHODS)} (after "
+                   "`make vllm-env`)); a head method with "
                    "'+lookup' (e.g. eagle+lookup) drafts by prompt lookup first where the context repeats itself")
     p.add_argument("--prompts", default="code,chat",
                    help="comma-separated sources: chat (ShareGPT held-out), code (HumanEval), or jsonl/json files "
@@ -64,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lookup", action="store_true",
                    help="selfspec draft-model: draft with the draft model alone (default: prompt lookup first where "
                         "the context repeats itself, the draft model elsewhere)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: bfloat16 on GPUs and on CPUs that compute it natively and faster, else float32")
+    p.add_argument("--target-pass", default="auto", choices=("auto", *BACKENDS),
+                   help="how selfspec runs the target (auto: " + AUTO_BACKEND_HELP + "); one pass object, its "
+                        "cache and compiled graphs, serves every selfspec method")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--memory-budget", default="",
@@ -89,7 +98,7 @@ def run_one(method: Method, target, ids: list[int], args: argparse.Namespace) ->
     run = method.run(target, ids, args.max_new_tokens, args.max_depth, args.max_nodes, adaptive=not args.fixed_tree)
     if cuda:
         run.cuda_peak_bytes = torch.cuda.max_memory_allocated(target.device)
-    return {**vars(run), "prompt_tokens": len(ids)}
+    return {**vars(run), "prompt_tokens": len(ids), "prompt_ids": list(ids)}  # ids: the divergence check
 
 
 def run_questions(methods: list[Method], target, tokenizer, prompts, args: argparse.Namespace, log: Path) -> None:
@@ -187,6 +196,16 @@ def budget_speeds(rows: list[dict], methods: list[Method], target, tokenizer, ar
               f"{row['speed'].get('tokens_per_s', row['speed'].get('error'))}", flush=True)
 
 
+def without_missing_vllm(names: list[str]) -> list[str]:
+    """``names`` less vLLM's methods when its environment is missing, said in one line."""
+    asked = [n for n in names if n in VLLM_METHODS]
+    reason = missing_environment() if asked else None
+    if reason is None:
+        return names
+    print(f"skipping {', '.join(asked)}: {reason}", flush=True)
+    return [n for n in names if n not in VLLM_METHODS]
+
+
 def bench(args: argparse.Namespace) -> dict:
     """Load, run (or resume), and build the report dict; writes the report files."""
     if args.threads:
@@ -194,13 +213,19 @@ def bench(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budgets = [parse_bytes(b) for b in args.memory_budget.split(",") if b.strip()]
-    dtype = DTYPES[args.dtype]
-    target, tok = load_model(args.model, dtype=dtype, device=args.device)
+    target, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    dtype = model_dtype(target)  # what --dtype auto chose
+    print(f"target {args.model}: {dtype_name(dtype)} (--dtype {args.dtype}) on {target.device}", flush=True)
     draft = load_model(args.draft_model, dtype=dtype, device=args.device)[0] if args.draft_model else None
     heads = heads_folders(args.model, args.heads)
     names = args.methods.split(",") if args.methods else [
         m for m in BASE_METHODS if draft is not None or m not in ("hf-assisted", "draft-model")] + list(heads)
-    methods = build_methods(names, target, tok, draft, heads, args.draft_vocab, lookup=not args.no_lookup)
+    names = without_missing_vllm(names + ([] if args.methods else list(VLLM_METHODS)))
+    vllm = WorkerConfig(resolve(args.model), dtype_name(dtype), torch.get_num_threads(), log_dir=str(out))
+    methods = build_methods(names, target, tok, draft, heads, args.draft_vocab, lookup=not args.no_lookup, vllm=vllm)
+    shared = make_target_pass(target, args.target_pass)
+    for m in methods:
+        m.target_pass = shared
     log = out / "runs.jsonl"
     if not args.report_only:
         prompts = load_bench_prompts(args.prompts.split(","), args.n, tok, args.max_prompt_tokens)
@@ -209,7 +234,8 @@ def bench(args: argparse.Namespace) -> dict:
         raise SelfspecError(f"no runs in {out} to report")
     rows = read_records(log)
     rows = [r for r in rows if r["method"] in names]
-    summary = summarize(rows, names)
+    divergence = check_outputs(rows, names, target, args.max_new_tokens, out)  # float32 re-checks, stored
+    summary = summarize(rows, names, verdicts=verdicts(divergence))
     plain = "plain" if "plain" in names else summary["baseline"]
     plain_rows = {r["prompt"]: r for r in rows if r["method"] == plain}
     added = {m.name: predicted_added(m, target, args.max_nodes) for m in methods}
@@ -220,14 +246,19 @@ def bench(args: argparse.Namespace) -> dict:
     budget_rows = budget_table(names, target, added, budgets, args.context, limit)
     if args.budget_speed and not args.report_only:
         budget_speeds(budget_rows, methods, target, tok, args)
+    for m in methods:
+        m.close()
     report = {"setup": {**{k: v for k, v in vars(args).items() if k != "heads"}, "heads": heads,
-                        "methods": names, "device": str(target.device),
+                        "methods": names, "device": str(target.device), "dtype_used": dtype_name(dtype),
+                        "target_pass_used": shared.name,
                         "torch_threads": torch.get_num_threads()},
               "summary": summary, "target_memory": predict_target(target).to_dict(), "memory": memory,
-              "budgets": budget_rows}
+              "budgets": budget_rows, "divergence": divergence}
     files = report_mod.write(report, out, with_plots=not args.no_plots)
     print(report_mod.markdown(report))
     print("wrote " + ", ".join(str(f) for f in files))
+    if failure_message(divergence):
+        print(failure_message(divergence), file=sys.stderr, flush=True)
     return report
 
 
@@ -235,11 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``selfspec bench`` (and ``python -m selfspec_eval.bench``)."""
     args = build_parser().parse_args(argv)
     try:
-        bench(args)
+        report = bench(args)
     except SelfspecError as exc:
         print(f"selfspec bench: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if real_divergences(report["divergence"]) else 0  # a lossless method diverged: a failure
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ def predicted_added(method: Method, target: nn.Module, max_nodes: int) -> Memory
 
 def measured_added(method: Method, target: nn.Module, rows: list[dict], plain_rows: dict[str, dict]) -> dict:
     """Bytes ``method`` added in its runs: CUDA peak over the plain run of each question, else counted tensors."""
+    if method.kind == "vllm":  # another process, with its own copy of the weights and a preallocated KV cache
+        return {"source": "not measured (vLLM's own process)", "total": 0}
     peaks = [r["cuda_peak_bytes"] - plain_rows[r["prompt"]]["cuda_peak_bytes"] for r in rows
              if r.get("cuda_peak_bytes") is not None and r["prompt"] in plain_rows]
     if peaks:

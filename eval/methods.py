@@ -7,13 +7,16 @@
     prompt-lookup  selfspec with n-gram drafts from the context
     medusa / eagle / early-exit   selfspec with a heads checkpoint (one method per checkpoint)
     <head>+lookup  the same heads, with prompt lookup first where the context repeats itself
+    vllm           vLLM in its own environment and process (``vllm_client.py``)
+    vllm-ngram     vLLM with its n-gram (prompt lookup) speculative decoding
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,9 +29,15 @@ from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine, sync_device
 from selfspec.errors import SelfspecError
 
+if TYPE_CHECKING:
+    from .vllm_client import VllmClient, WorkerConfig
+
 BASE_METHODS = ("hf", "hf-assisted", "plain", "draft-model", "prompt-lookup")
 HEAD_FAMILIES = ("medusa", "eagle", "early-exit")
 COMMITTED = Path(__file__).resolve().parent.parent / "checkpoints"
+# vLLM's speculative_config per method; ngram as in NOTES.md's measured setting
+VLLM_METHODS = {"vllm": None, "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 5,
+                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
 
 
 @dataclass
@@ -48,13 +57,16 @@ class Run:
 
 @dataclass
 class Method:
-    """A named way to decode: a selfspec drafter (None = plain) or transformers (optionally with an assistant)."""
+    """A named way to decode: a selfspec drafter (None = plain), transformers (optionally with an assistant)
+    or a vLLM worker."""
 
     name: str
-    kind: str  # "hf" | "selfspec"
+    kind: str  # "hf" | "selfspec" | "vllm"
     drafter: Drafter | None = None
     assistant: nn.Module | None = None
     heads_dir: str | None = None
+    client: VllmClient | None = None
+    target_pass: object = "eager"  # selfspec: a backend name, or a pass shared by every selfspec method of a bench
 
     def run(self, target: nn.Module, ids: list[int], max_new: int, max_depth: int, max_nodes: int,
             adaptive: bool = True) -> Run:
@@ -62,11 +74,18 @@ class Method:
         drafts ``max_depth`` levels (``max_nodes`` nodes), whether or not it pays."""
         if self.kind == "hf":
             return run_hf(target, ids, max_new, self.assistant)
+        if self.kind == "vllm":
+            return self.client.run(ids, max_new)
         cfg = DecodeConfig(max_new_tokens=max_new, max_depth=max_depth, max_nodes=max_nodes, adaptive=adaptive)
-        res = SpeculativeEngine(target, self.drafter).generate(ids, cfg)
+        res = SpeculativeEngine(target, self.drafter, backend=self.target_pass).generate(ids, cfg)
         s = res.stats
         return Run(res.tokens, s.total_s, s.mean_accepted, s.target_forwards, s.reached_depth, s.accepted_at_depth,
                    s.draft_state_bytes, s.max_tree_nodes)
+
+    def close(self) -> None:
+        """Stop what the method started (a vLLM worker process)."""
+        if self.client is not None:
+            self.client.close()
 
 
 def run_hf(model: nn.Module, ids: list[int], max_new: int, assistant: nn.Module | None = None) -> Run:
@@ -102,12 +121,14 @@ def heads_folders(model_name: str, extra: list[str]) -> dict[str, str]:
 
 
 def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Module | None,
-                  heads: dict[str, str], draft_vocab: int = 0, lookup: bool = True) -> list[Method]:
+                  heads: dict[str, str], draft_vocab: int = 0, lookup: bool = True,
+                  vllm: WorkerConfig | None = None) -> list[Method]:
     """The requested methods, in order; one-line errors for a method that lacks what it needs.
 
     ``draft_vocab`` > 0: selfspec's draft-model drafts over that many frequent token ids only.
     ``lookup``: selfspec's draft-model drafts by prompt lookup where the context repeats itself
     (a head method asks for it by name: ``eagle+lookup``).
+    ``vllm``: the model and dtype vLLM's methods load (their workers start on the first request).
     """
     out = []
     vocab = target.get_output_embeddings().out_features
@@ -126,6 +147,8 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
             out.append(Method(name, "selfspec", LookupFirstDrafter(drafter) if lookup else drafter))
         elif name == "prompt-lookup":
             out.append(Method(name, "selfspec", PromptLookupDrafter()))
+        elif name in VLLM_METHODS:
+            out.append(Method(name, "vllm", client=vllm_client(name, vllm)))
         elif name.removesuffix("+lookup") in heads:
             folder = heads[name.removesuffix("+lookup")]
             drafter = load_heads(target, folder, tokenizer=tokenizer)[1]
@@ -133,7 +156,16 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
                 drafter = LookupFirstDrafter(drafter)
             out.append(Method(name, "selfspec", drafter, heads_dir=folder))
         else:
-            known = ", ".join([*BASE_METHODS, *heads, *(f"{h}+lookup" for h in heads)]) or "-"
+            known = ", ".join([*BASE_METHODS, *VLLM_METHODS, *heads, *(f"{h}+lookup" for h in heads)]) or "-"
             raise SelfspecError(f"unknown or unavailable method '{name}' (available: {known}); "
                                 "head methods need a checkpoint in checkpoints/ or --heads FOLDER")
     return out
+
+
+def vllm_client(name: str, config: WorkerConfig | None) -> VllmClient:
+    """The worker of vLLM method ``name`` (not started yet)."""
+    from .vllm_client import VllmClient
+
+    if config is None:
+        raise SelfspecError(f"method {name} needs the model folder and dtype for vLLM")
+    return VllmClient(replace(config, speculative=VLLM_METHODS[name]), name)

@@ -9,6 +9,8 @@ Each row: ``prompt`` (id, with ``#turn`` for later turns), ``category``, ``metho
 * acceptance per depth: accepted / reached counts pooled over all questions (a ratio of sums, so
   a question with many steps weighs more than one with few);
 * identical: how many questions gave exactly the baseline's tokens.
+* divergence (when the outputs were checked, ``eval/divergences.py``): ``{identical, near-tie, real}``
+  counts against the reference method, from each output's verdict at its first differing token.
 
 Only questions every method finished are compared, so a partial (resumed) run stays fair.
 """
@@ -16,6 +18,8 @@ Only questions every method finished are compared, so a partial (resumed) run st
 from __future__ import annotations
 
 import statistics
+
+from selfspec.divergence import IDENTICAL, count_verdicts
 
 OVERALL = "overall"
 
@@ -39,8 +43,10 @@ def pooled_acceptance(rows: list[dict]) -> list[float]:
     return [a / n if n else 0.0 for a, n in zip(accepted, reached)]
 
 
-def method_stats(rows: list[dict], baseline_rows: dict[str, dict] | None) -> dict:
-    """Metrics of one method's rows (one per question); ``baseline_rows`` (prompt -> row) for identical counts."""
+def method_stats(rows: list[dict], baseline_rows: dict[str, dict] | None,
+                 verdicts: dict[tuple[str, str], str] | None = None) -> dict:
+    """Metrics of one method's rows (one per question); ``baseline_rows`` (prompt -> row) for identical counts;
+    ``verdicts`` ((prompt, method) -> verdict, absent = identical) for the divergence counts."""
     tps = [len(r["tokens"]) / r["seconds"] for r in rows if r["seconds"] > 0]
     taus = [r["tau"] for r in rows if r.get("tau") is not None]
     out = {"questions": len(rows), "tokens_per_s": statistics.mean(tps) if tps else 0.0,
@@ -48,11 +54,17 @@ def method_stats(rows: list[dict], baseline_rows: dict[str, dict] | None) -> dic
            "new_tokens": sum(len(r["tokens"]) for r in rows)}
     if baseline_rows is not None:
         out["identical"] = sum(r["tokens"] == baseline_rows[r["prompt"]]["tokens"] for r in rows)
+    if verdicts is not None:
+        out["divergence"] = count_verdicts(verdicts.get((r["prompt"], r["method"]), IDENTICAL) for r in rows)
     return out
 
 
-def summarize(rows: list[dict], methods: list[str], baseline: str = "hf") -> dict:
-    """``{category: {method: metrics + speedup}}`` with an ``overall`` category; baseline = ``hf`` if present."""
+def summarize(rows: list[dict], methods: list[str], baseline: str = "hf",
+              verdicts: dict[tuple[str, str], str] | None = None) -> dict:
+    """``{category: {method: metrics + speedup}}`` with an ``overall`` category; baseline = ``hf`` if present.
+
+    ``verdicts``: the divergence check's verdicts of the outputs that are not identical to the reference's.
+    """
     base = baseline if baseline in methods else methods[0]
     prompts = set(complete_prompts(rows, methods))
     rows = [r for r in rows if r["prompt"] in prompts and r["method"] in methods]
@@ -61,7 +73,7 @@ def summarize(rows: list[dict], methods: list[str], baseline: str = "hf") -> dic
     for cat in [*categories, OVERALL]:
         in_cat = [r for r in rows if cat == OVERALL or r["category"] == cat]
         base_rows = {r["prompt"]: r for r in in_cat if r["method"] == base}
-        table = {m: method_stats([r for r in in_cat if r["method"] == m], base_rows) for m in methods}
+        table = {m: method_stats([r for r in in_cat if r["method"] == m], base_rows, verdicts) for m in methods}
         base_tps = table[base]["tokens_per_s"]
         for v in table.values():
             v["speedup"] = v["tokens_per_s"] / base_tps if base_tps else None

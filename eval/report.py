@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from selfspec.divergence import format_counts
 from selfspec.memory import format_bytes
 
 from .metrics import OVERALL
@@ -14,8 +15,36 @@ def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
+def divergence_lines(report: dict) -> list[str]:
+    """The losslessness check: verdict counts per method, then every output that is not identical."""
+    div = report.get("divergence")
+    if div is None:
+        return []
+    ref, table = div["reference"], report["summary"]["categories"][OVERALL]
+    lines = [f"## Outputs against `{ref}` ({div['dtype']})", "",
+             f"Each output that differs from `{ref}`'s is checked at its first differing token: the target's "
+             "next-token logits there are recomputed in float32. *near-tie*: both tokens lie within rounding of "
+             "the float32 top logit (bound: the largest error of the run's dtype on the top tokens at that "
+             f"prefix, x2 for opposite signs, x{div['safety']:g} safety; `selfspec/divergence.py`), so rounding may "
+             "pick either; *real*: anything else, a bug.", "",
+             "| method | diagnosis |", "|---|---|"]
+    lines += [f"| {m} | {format_counts(v['divergence'])} |" for m, v in table.items() if m != ref and "divergence" in v]
+    if div["diagnoses"]:
+        lines += ["", f"| question | method | new token | `{ref}` took | method took | float32 logits (`{ref}`'s, "
+                  "method's, top) | its rank (1 = top) | gap | bound | verdict |", "|---" * 10 + "|"]
+        for d in div["diagnoses"]:
+            logits = "-" if d["gap"] is None else (f"{d['reference_logit']:.3f}, {d['other_logit']:.3f}, "
+                                                   f"{d['top_logit']:.3f}")
+            lines.append(f"| {d['prompt']} | {d['method']} | {_fmt(d['index'], 'd')} | "
+                         f"{_fmt(d['reference_token'], 'd')} | {_fmt(d['other_token'], 'd')} | {logits} | "
+                         f"{_fmt(d['other_rank'], 'd')} | {_fmt(d['gap'], '.3g')} | {_fmt(d['bound'], '.3g')} | "
+                         f"**{d['verdict']}** |")
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
-    """Tables: overall and per category (tokens/s, speedup, tau, identical), memory, budgets."""
+    """Tables: overall and per category (tokens/s, speedup, tau, identical), the divergence check, memory,
+    budgets."""
     s, setup = report["summary"], report["setup"]
     lines = [f"# selfspec bench: {setup['model']}", "",
              f"{s['questions']} questions, {setup['max_new_tokens']} new tokens, greedy, {setup['dtype']}, "
@@ -43,6 +72,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {m} | {v['tokens_per_s']:.2f} | {_fmt(v['speedup'])}x | {_fmt(v['tau'])} | "
                          f"{v.get('identical', '-')}/{v['questions']} | {acc} |")
         lines.append("")
+    lines += divergence_lines(report)
     lines += ["## Memory added over the target alone", "",
               f"Target: {format_bytes(report['target_memory']['weights'])} of weights, "
               f"{format_bytes(report['target_memory']['kv_per_token'])} of KV cache per token.", "",

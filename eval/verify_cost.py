@@ -18,42 +18,44 @@ from collections.abc import Sequence
 
 import torch
 
+from selfspec.dtypes import DTYPE_CHOICES, dtype_name
 from selfspec.engine import sync_device
 from selfspec.errors import SelfspecError
-from selfspec.kv_cache import cache_length, new_cache, truncate
-from selfspec.verify import forward_with_cache
+from selfspec.memory import model_dtype
+from selfspec.target_pass import BACKENDS, make_target_pass
+from selfspec.tree import chain
 from selfspec.zoo import load_model
 
-from .bench import DTYPES
 
-
-def forward_ms(model, cache, k: int, vocab: int) -> float:
-    """Milliseconds of one forward of k random tokens appended to ``cache`` (cropped back afterwards)."""
-    ids = torch.randint(0, vocab, (1, k), device=model.device)
-    before = cache_length(cache)
-    sync_device(model.device)
+def pass_ms(target, cache, context: int, k: int, vocab: int) -> float:
+    """Milliseconds of one pass over a k-token chain appended at ``context`` (rolled back afterwards)."""
+    ids = torch.randint(0, vocab, (k,)).tolist()
+    sync_device(target.device)
     start = time.perf_counter()
-    with torch.no_grad():
-        forward_with_cache(model, ids, cache)
-    sync_device(model.device)
+    target.verify(cache, chain(ids[0], ids[1:]), context, False)
+    sync_device(target.device)
     elapsed = time.perf_counter() - start
-    truncate(cache, before)
+    target.keep(cache, context, [])
     return elapsed * 1e3
 
 
-def measure(model, context: int, ks: list[int], reps: int) -> dict[int, float]:
-    """Median ms per k over ``reps`` rounds, each round timing every k once (after one warm-up round)."""
+def measure(model, context: int, ks: list[int], reps: int, backend: str = "eager") -> tuple[dict, dict]:
+    """Median ms per k over ``reps`` rounds, each round timing every k once, after a first round that
+    warms kernels and builds compiled graphs; also returns that first round's ms per k (compile time)."""
     vocab = model.get_input_embeddings().weight.shape[0]
-    cache = new_cache(model)
-    with torch.no_grad():
-        forward_with_cache(model, torch.randint(0, vocab, (1, context), device=model.device), cache)
+    target = make_target_pass(model, backend)
+    cache = target.new_cache(context + max(ks))
+    target.prefill(cache, torch.randint(0, vocab, (context,)), False)
     times: dict[int, list[float]] = {k: [] for k in ks}
+    first: dict[int, float] = {}
     for rep in range(reps + 1):
         for k in ks:
-            ms = forward_ms(model, cache, k, vocab)
-            if rep:  # round 0 warms kernels and the allocator
+            ms = pass_ms(target, cache, context, k, vocab)
+            if rep:
                 times[k].append(ms)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            else:
+                first[k] = ms
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}, first
 
 
 def table(medians: dict[int, float]) -> str:
@@ -82,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=300, help="tokens already in the cache")
     p.add_argument("--k", default="1,2,4,8,16", help="new tokens per forward, comma-separated")
     p.add_argument("--reps", type=int, default=7, help="timed rounds (median reported)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--target-pass", default="eager", choices=BACKENDS, help="how the target runs (selfspec/target_pass.py)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = p.parse_args(argv)
@@ -92,14 +95,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SelfspecError(f"--context and --reps must be >= 1, got {args.context} and {args.reps}")
         if args.threads:
             torch.set_num_threads(args.threads)
-        model, _ = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device)
+        model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     except SelfspecError as exc:
         print(f"verify_cost: error: {exc}", file=sys.stderr)
         return 2
-    medians = measure(model, args.context, ks, args.reps)
-    print(f"{args.model}, {args.dtype}, {args.device}, cache {args.context} tokens, "
-          f"{torch.get_num_threads()} threads, median of {args.reps}")
+    medians, first = measure(model, args.context, ks, args.reps, args.target_pass)
+    print(f"{args.model}, {dtype_name(model_dtype(model))}, {args.target_pass} pass, {args.device}, cache "
+          f"{args.context} tokens, {torch.get_num_threads()} threads, median of {args.reps}")
     print(table(medians))
+    print("first pass per k (ms; includes compiling on the compiled pass): "
+          + ", ".join(f"{k}: {ms:.0f}" for k, ms in first.items()))
     return 0
 
 

@@ -21,6 +21,7 @@ same whoever drafted, so the sources share one ``VerifyCost``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -45,8 +46,15 @@ class VerifyCost:
     prior_slope: float = 0.08
     window: int = 8
     min_plain: int = 2
+    buckets: tuple[int, ...] | None = None  # a static target pass pads n nodes to its bucket: n costs the bucket
     plain: list[float] = field(default_factory=list)  # the last ``window`` plain-step times
     ratios: dict[int, float] = field(default_factory=dict)
+
+    def _size(self, nodes: int) -> int:
+        """The size a pass over ``nodes`` nodes really runs at (its bucket, on a static pass)."""
+        if self.buckets is None or nodes > self.buckets[-1]:
+            return nodes
+        return next(b for b in self.buckets if b >= nodes)
 
     @property
     def t1(self) -> float | None:
@@ -65,10 +73,20 @@ class VerifyCost:
     def record(self, nodes: int, seconds: float) -> None:
         """A pass over ``nodes`` nodes (root included) took ``seconds``."""
         if self.t1 and nodes > 1:
-            self.ratios[nodes] = _ema(self.ratios.get(nodes), seconds / self.t1)
+            size = self._size(nodes)
+            self.ratios[size] = _ema(self.ratios.get(size), seconds / self.t1)
 
     def _measured(self, n: int) -> float | None:
-        return 1.0 if n <= 1 else self.ratios.get(n)
+        return 1.0 if n <= 1 else self.ratios.get(self._size(n))
+
+    def slope(self, nodes: float) -> float:
+        """Extra cost per node guessed for an unmeasured size: ``prior_slope``, or past the largest size
+        measured the line from a plain step through it where that is flatter (where verification is flat,
+        as in bf16 on a CPU with native bf16 or on a GPU, 32- and 64-node trees then look cheap enough to try)."""
+        if not self.ratios or nodes < max(self.ratios):
+            return self.prior_slope
+        n = max(self.ratios)
+        return min(self.prior_slope, max(self.ratios[n] - 1.0, 0.0) / (n - 1))
 
     def ratio(self, nodes: float) -> float:
         """Predicted cost of a ``nodes``-node pass relative to a plain pass (a fractional size, an
@@ -78,9 +96,25 @@ class VerifyCost:
         if r_lo is not None and r_hi is not None:
             return r_lo + (nodes - lo) * (r_hi - r_lo)
         below = max(n for n in (1, *self.ratios) if n <= nodes)
-        guess = self._measured(below) + self.prior_slope * (nodes - below)
+        guess = self._measured(below) + self.slope(nodes) * (nodes - below)
         above = [n for n in self.ratios if n >= nodes]
         return min(guess, self.ratios[min(above)]) if above else guess
+
+
+def tree_size_by_cost(path_probs: list[float], node_cost: Callable[[float], float]) -> int:
+    """How many ranked draft nodes to verify: the count m with the most expected tokens per unit of cost.
+
+    ``path_probs[i]``: the drafter's probability that its i-th best node (each after its parent) is
+    accepted, i.e. its whole path is; verifying the first m commits 1 + sum(path_probs[:m]) tokens in
+    expectation (EAGLE-2), at ``node_cost(1 + m)`` plain passes. 0 means a plain step pays best.
+    """
+    best_m, best_rate, gain = 0, 1.0 / node_cost(1), 1.0
+    for m, p in enumerate(path_probs, start=1):
+        gain += p
+        rate = gain / node_cost(1 + m)
+        if rate > best_rate:
+            best_m, best_rate = m, rate
+    return best_m
 
 
 @dataclass

@@ -10,18 +10,12 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .dtypes import DTYPE_CHOICES
 from .errors import SelfspecError
+from .target_pass import AUTO_BACKEND_HELP, BACKENDS
 
 DEMO_PROMPT = ("Write a Python function `is_palindrome(s)` that ignores case and punctuation, "
                "then show how to call it on three examples.")
-
-
-def _dtype(name: str):
-    from .memory import DTYPES
-
-    if name not in DTYPES:
-        raise SelfspecError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -57,7 +51,7 @@ def build_drafter(args: argparse.Namespace, model, tokenizer):
         return PromptLookupDrafter()
     if not args.draft_model:
         raise SelfspecError("--drafter draft-model needs --draft-model NAME (e.g. qwen2.5-coder-0.5b-instruct)")
-    draft, draft_tok = load_model(args.draft_model, dtype=_dtype(args.dtype), device=args.device)
+    draft, draft_tok = load_model(args.draft_model, dtype=args.dtype, device=args.device)
     if draft_tok.get_vocab() != tokenizer.get_vocab():
         raise SelfspecError(f"--draft-model {args.draft_model} has a different tokenizer from --model {args.model}: "
                             "a separate draft model must share the target's tokenizer")
@@ -94,9 +88,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .stats import GenerationStats
     from .zoo import load_model
 
-    model, tokenizer = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     drafter = build_drafter(args, model, tokenizer)
-    engine = SpeculativeEngine(model, drafter, tokenizer)
+    engine = SpeculativeEngine(model, drafter, tokenizer, backend=args.target_pass)
     ids = prompt_ids(tokenizer, args.prompt, not args.no_chat_template)
     cfg = decode_config(args)
     if args.json:
@@ -104,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         s = res.stats
         print(json.dumps({"text": res.text, "new_tokens": s.new_tokens, "tokens_per_s": s.tokens_per_s,
                           "mean_accepted": s.mean_accepted, "target_forwards": s.target_forwards,
+                          "dtype": s.dtype, "target_pass": s.target_pass,
                           "drafter": drafter.name if drafter else "none", "stats": s.to_dict()}))
         return 0
     stats = GenerationStats()
@@ -112,7 +107,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     drafts = ", ".join(f"{n} by {source}" for source, n in stats.drafts_by_source.items())
     print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.mean_accepted:.2f}, "
-          f"{stats.target_forwards} target passes, drafter {drafter.name if drafter else 'none'}"
+          f"{stats.target_forwards} target passes, {stats.dtype} {stats.target_pass} pass, "
+          f"drafter {drafter.name if drafter else 'none'}"
           f"{'; drafts: ' + drafts if drafts else ''}]", file=sys.stderr)
     return 0
 
@@ -154,7 +150,11 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-adaptive", action="store_true", help="always draft --max-depth")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: bfloat16 on GPUs and on CPUs that compute it natively and faster, else float32")
+    p.add_argument("--target-pass", default="auto", choices=("auto", *BACKENDS),
+                   help="how the target runs: eager modules over a growing cache, a static preallocated cache, or "
+                        "that static pass compiled (auto: " + AUTO_BACKEND_HELP + ")")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
 

@@ -47,7 +47,8 @@ def run_demo(model_name: str, prompt: str, max_new_tokens: int, heads: str | Non
     results = [(name, SpeculativeEngine(model, d, tokenizer).generate(ids, cfg), d) for name, d in drafters]
     base_params = sum(p.numel() for p in model.parameters())
     model_bytes = predict_target(model).weights
-    print(f"model: {model_name} ({base_params / 1e6:.0f}M parameters), greedy, {max_new_tokens} new tokens\n")
+    print(f"model: {model_name} ({base_params / 1e6:.0f}M parameters), {plain.stats.dtype} (--dtype auto), "
+          f"{plain.stats.target_pass} target pass, greedy, {max_new_tokens} new tokens\n")
     print(f"prompt: {prompt}\n")
     print("--- plain decoding ---")
     print(plain.text)

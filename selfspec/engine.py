@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .adaptive import DepthPolicy
+from .adaptive import DepthPolicy, VerifyCost
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .errors import SelfspecError
-from .kv_cache import cache_length, keep_entries, new_cache
-from .memory import counted_bytes
+from .dtypes import dtype_name
+from .memory import counted_bytes, model_dtype
 from .sampling import SamplingConfig, logits_to_probs
 from .stats import GenerationStats
+from .target_pass import EagerPass, make_target_pass
 from .tree import DraftTree, chain
-from .verify import Verification, forward_with_cache, verify_tree
+from .verify import Verification
 
 
 @dataclass
@@ -78,17 +79,18 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
-def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states: bool) -> tuple[DecodeState, tuple | None]:
-    """Cache the prompt except its last token (the first root). Returns the state and, if asked, hidden states."""
-    cache = new_cache(model)
+def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states: bool, target=None, max_len: int = 0
+            ) -> tuple[DecodeState, tuple | None]:
+    """Cache the prompt except its last token (the first root). Returns the state and, if asked, hidden states.
+
+    ``target``: the target pass (default: eager); ``max_len``: the most positions the request will cache.
+    """
+    target = target or EagerPass(model)
+    cache = target.new_cache(max(max_len, prompt.numel()))
     hs = None
     if prompt.numel() > 1:
-        device = next(model.parameters()).device
-        ids = prompt[:-1].to(device)[None]
-        out = forward_with_cache(model, ids, cache, position_ids=torch.arange(ids.shape[1], device=device)[None],
-                                 hidden_states=hidden_states, logits_to_keep=1)
-        hs = (out.hidden_states[-1][0],) if hidden_states else None  # drafters use the last layer only
+        h = target.prefill(cache, prompt[:-1], hidden_states)
+        hs = (h,) if hidden_states else None  # drafters use the last layer only
     return DecodeState(prompt.clone(), cache, prompt.numel()), hs
 
 
@@ -99,7 +101,8 @@ def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, policy
     root = int(ctx.tokens[-1])
     if drafter is None or depth == 0:
         return chain(root, []), dstate
-    req = DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen, depth_for=policy.choose, rate_for=policy.rate)
+    req = DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen, depth_for=policy.choose, rate_for=policy.rate,
+                       node_cost=policy.cost.ratio if policy.enabled else None)
     tree, dstate = drafter.draft(dstate, ctx, req)
     if tree.max_depth > depth or tree.size > cfg.max_nodes or int(tree.tokens[0]) != root:
         raise SelfspecError(f"drafter '{drafter.name}' broke its limits (depth {tree.max_depth} > {depth}, "
@@ -114,9 +117,10 @@ def accept(tree: DraftTree, ver: Verification, sampling: SamplingConfig, gen: to
     return accept_sampling(tree, logits_to_probs(ver.logits, sampling), gen)
 
 
-def commit(state: DecodeState, tree: DraftTree, path: list[int], bonus: int) -> tuple[DecodeState, list[int]]:
+def commit(target, state: DecodeState, tree: DraftTree, path: list[int], bonus: int
+           ) -> tuple[DecodeState, list[int]]:
     """Keep root + accepted path in the cache (compacted), append accepted tokens + bonus to the sequence."""
-    keep_entries(state.cache, state.cache_len, [0, *path])
+    target.keep(state.cache, state.cache_len, [0, *path])
     new = [int(tree.tokens[i]) for i in path] + [bonus]
     tokens = torch.cat([state.tokens, torch.tensor(new, dtype=torch.long)])
     return DecodeState(tokens, state.cache, state.prompt_len), new
@@ -154,13 +158,22 @@ def eos_ids(model: torch.nn.Module, cfg: DecodeConfig) -> set[int]:
 
 
 class SpeculativeEngine:
-    """Lossless speculative decoding of one causal LM with any drafter (or none: plain decoding)."""
+    """Lossless speculative decoding of one causal LM with any drafter (or none: plain decoding).
 
-    def __init__(self, model: torch.nn.Module, drafter: Drafter | None = None, tokenizer=None) -> None:
+    ``backend`` runs the target: "eager" (its own modules over a growing cache), "static" (a preallocated
+    cache, tree sizes bucketed), "compiled" (the static pass through ``torch.compile``) or "auto"; see
+    ``selfspec/target_pass.py``. A pass object made by ``make_target_pass`` may be given instead, to share
+    its cache and compiled graphs between engines (one request at a time). Outputs are the same on every
+    backend, up to the dtype's rounding.
+    """
+
+    def __init__(self, model: torch.nn.Module, drafter: Drafter | None = None, tokenizer=None,
+                 backend="auto") -> None:
         self.model = model.eval()
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        self.target = make_target_pass(self.model, backend) if isinstance(backend, str) else backend
 
     def _prompt_tensor(self, prompt: torch.Tensor | list[int]) -> torch.Tensor:
         ids = torch.as_tensor(prompt, dtype=torch.long).cpu()
@@ -178,15 +191,17 @@ class SpeculativeEngine:
     def steps(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig, stats: GenerationStats) -> Iterator[list[int]]:
         """Run the loop, yielding the tokens each step commits; fills ``stats`` as it goes."""
         start = time.perf_counter()
+        stats.dtype, stats.target_pass = dtype_name(model_dtype(self.model)), self.target.name
         ids = self._prompt_tensor(prompt)
         gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
         need_hidden = self.drafter is not None and self.drafter.needs_hidden_states
-        state, hs = prefill(self.model, ids, need_hidden)
-        ctx = DraftContext(state.tokens, state.cache_len, hs, state.cache)
+        state, hs = prefill(self.model, ids, need_hidden, self.target, ids.numel() + cfg.max_new_tokens)
+        ctx = DraftContext(state.tokens, state.cache_len, hs, self.target.draft_view(state.cache))
         dstate = self.drafter.start(ctx) if self.drafter is not None else None  # the drafter's own prefill
         sync_device(self.device)
         stats.prefill_s = time.perf_counter() - start
-        policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive)
+        policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive,
+                             cost=VerifyCost(buckets=getattr(self.target, "buckets", None)))
         eos = eos_ids(self.model, cfg)
         generated: list[int] = []
         try:
@@ -197,11 +212,11 @@ class SpeculativeEngine:
                 tree, dstate = draft(self.drafter, dstate, ctx, depth, policy, cfg, gen)
                 sync_device(self.device)
                 t1 = time.perf_counter()
-                ver = verify_tree(self.model, state.cache, tree, state.cache_len, hidden_states=need_hidden)
+                ver = self.target.verify(state.cache, tree, state.cache_len, need_hidden)
                 sync_device(self.device)
                 t2 = time.perf_counter()
                 path, bonus = accept(tree, ver, cfg.sampling, gen)
-                state, new = commit(state, tree, path, bonus)
+                state, new = commit(self.target, state, tree, path, bonus)
                 new, finished = truncate_at_stop(new, room, eos)
                 cut = stop_string_cut(self.tokenizer, generated + new, len(generated), cfg.stop_strings)
                 if cut is not None:
@@ -223,9 +238,9 @@ class SpeculativeEngine:
                 if need_hidden:  # the target's last-layer states at the positions just cached: root + path
                     rows = torch.tensor([0, *path], device=ver.logits.device)
                     hidden = (ver.hidden_states[-1].index_select(0, rows),)
-                ctx = DraftContext(state.tokens, state.cache_len, hidden, state.cache)
-                if cache_length(state.cache) != state.cache_len:  # compaction bug guard: cheap, never expected
-                    raise RuntimeError(f"target cache holds {cache_length(state.cache)} positions, "
+                ctx = DraftContext(state.tokens, state.cache_len, hidden, self.target.draft_view(state.cache))
+                if self.target.length(state.cache) != state.cache_len:  # compaction bug guard: cheap, never expected
+                    raise RuntimeError(f"target cache holds {self.target.length(state.cache)} positions, "
                                        f"expected {state.cache_len}")
                 dstate = self.drafter.observe(dstate, ctx) if self.drafter is not None else None
         finally:

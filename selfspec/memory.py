@@ -97,7 +97,6 @@ def kv_bytes_per_token(config, dtype: torch.dtype, num_layers: int | None = None
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names on the command line
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

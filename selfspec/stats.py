@@ -19,6 +19,8 @@ class GenerationStats:
     drafts_by_source: dict[str, int] = field(default_factory=dict)  # speculative steps per drafter that answered
     max_tree_nodes: int = 0  # largest draft tree verified, root included
     draft_state_bytes: int = 0  # peak bytes of the drafter's per-request state (its KV cache) after a draft
+    dtype: str = ""  # the target's dtype ("bfloat16", ...): what --dtype auto chose
+    target_pass: str = ""  # how the target ran: eager, static or compiled
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

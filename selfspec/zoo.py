@@ -211,14 +211,21 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load a causal LM and its tokenizer from a zoo name, a local folder or a hub id (eval mode)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"):
+    """Load a causal LM and its tokenizer from a zoo name, a local folder or a hub id (eval mode).
+
+    ``dtype``: a torch dtype, a name (``"bfloat16"``), or ``"auto"``: the fastest the device computes
+    natively (``selfspec.dtypes.resolve_dtype``); ``model.dtype`` tells which was chosen.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .dtypes import resolve_dtype
 
     device = check_device(device)
     where = resolve(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where)
+        dtype = resolve_dtype(dtype, device, AutoConfig.from_pretrained(where).get_text_config())
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
     except (OSError, ValueError) as exc:  # missing files / not a causal LM
         raise SelfspecError(f"could not load model '{name_or_path}': {str(exc).strip().splitlines()[0]}") from exc

@@ -3,7 +3,7 @@ switches speculation off (with occasional probes) when they are not."""
 
 from __future__ import annotations
 
-from selfspec.adaptive import AdaptiveDepth, DepthPolicy, VerifyCost
+from selfspec.adaptive import AdaptiveDepth, DepthPolicy, VerifyCost, tree_size_by_cost
 
 
 def _run(accept_prob: float, steps: int = 200, slope: float = 0.1, draft_cost: float = 0.05) -> list[int]:
@@ -142,3 +142,23 @@ def test_rate_ranks_sources_by_their_record_without_changing_it() -> None:
     before = (policy.controller("bad").plain_left, policy.controller("bad").backoff)
     assert policy.rate("good") > 1.0 > policy.rate("bad")  # 1.0: plain decoding's tokens/s here
     assert (policy.controller("bad").plain_left, policy.controller("bad").backoff) == before
+
+
+def test_tree_size_by_cost_keeps_nodes_while_they_pay() -> None:
+    """Path probabilities 0.9, 0.6, 0.3, 0.05: flat verification keeps all, a steep cost only the first ones."""
+    probs = [0.9, 0.6, 0.3, 0.05]
+    assert tree_size_by_cost(probs, lambda n: 1.0) == 4  # free nodes: verify every one
+    assert tree_size_by_cost(probs, lambda n: 1.0 + 0.3 * (n - 1)) == 2  # 2.5/1.6 beats 1.9/1.3 and 2.8/1.9
+    assert tree_size_by_cost(probs, lambda n: 1.0 + 2.0 * (n - 1)) == 0  # nothing pays: a plain step
+    assert tree_size_by_cost([], lambda n: 1.0) == 0
+
+
+def test_verify_cost_of_a_bucketed_pass_is_its_buckets() -> None:
+    """A static pass pads 5..16 nodes to 16: one measurement prices the whole bucket; past the largest
+    size measured the guess follows the measured (flat) line when it is flatter than the prior."""
+    cost = VerifyCost(prior_slope=0.1, buckets=(1, 4, 16, 64))
+    cost.record_plain(1.0)
+    cost.record(9, 1.2)
+    assert cost.ratios == {16: 1.2}
+    assert cost.ratio(5) == cost.ratio(16) == 1.2
+    assert abs(cost.ratio(64) - (1.2 + 48 * 0.2 / 15)) < 1e-12  # slope 0.2 / 15 per node, not 0.1

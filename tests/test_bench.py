@@ -16,6 +16,7 @@ from selfspec.heads import init_heads, make_drafter
 from selfspec.kv_cache import new_cache
 from selfspec.memory import (MemoryEstimate, counted_added, counted_bytes, kv_bytes_per_token, max_context,
                              parse_bytes, predict_added, predict_target, storages)
+from selfspec.target_pass import make_target_pass
 from selfspec.verify import forward_with_cache
 from selfspec_eval.budgets import budget_table
 from selfspec_eval.metrics import complete_prompts, pooled_acceptance, summarize
@@ -210,16 +211,17 @@ def test_bench_bad_model_is_one_line(capsys):
 
 
 def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
-    from selfspec_eval.verify_cost import forward_ms, main, measure, parse_ks, table
+    from selfspec_eval.verify_cost import main, measure, parse_ks, pass_ms, table
 
     model = tiny_model(4)
-    cache = new_cache(model)
-    with torch.no_grad():
-        forward_with_cache(model, torch.tensor([[1, 2, 3, 4, 5]]), cache)
-    assert forward_ms(model, cache, 3, 64) > 0
-    assert cache.get_seq_length() == 5  # the k timed tokens were cropped off again
-    medians = measure(model, context=6, ks=[1, 4], reps=2)
-    assert list(medians) == [1, 4] and all(ms > 0 for ms in medians.values())
+    for backend in ("eager", "static"):
+        target = make_target_pass(model, backend)
+        cache = target.new_cache(32)
+        target.prefill(cache, torch.tensor([1, 2, 3, 4, 5]), False)
+        assert pass_ms(target, cache, 5, 3, 64) > 0
+        assert target.length(cache) == 5  # the k timed tokens were rolled back again
+        medians, first = measure(model, context=6, ks=[1, 4], reps=2, backend=backend)
+        assert list(medians) == list(first) == [1, 4] and all(ms > 0 for ms in medians.values())
     assert table({1: 10.0, 4: 15.0}).splitlines()[2:] == ["| 1 | 10.0 | 1.00 |", "| 4 | 15.0 | 1.50 |"]
     assert table({2: 10.0, 8: 20.0}).splitlines()[0] == "| k | ms | x k=2 |"
     assert parse_ks("1,2,8") == [1, 2, 8]

@@ -121,8 +121,9 @@ def test_chain_sampling_with_reduced_draft_vocabulary_is_lossless(target, draft)
     assert chi_square_pvalue(draw(engine, 1), exact_joint(target)) > ALPHA
 
 
-def test_tree_speculative_sampling_is_lossless(target, draft) -> None:
-    engine = SpeculativeEngine(target, SampledTreeDrafter(draft))
+@pytest.mark.parametrize("backend", ["eager", "static", "compiled"])
+def test_tree_speculative_sampling_is_lossless(target, draft, backend: str) -> None:
+    engine = SpeculativeEngine(target, SampledTreeDrafter(draft), backend=backend)
     assert chi_square_pvalue(draw(engine, 1), exact_joint(target)) > ALPHA
 
 

@@ -13,7 +13,7 @@ import sys
 
 from selfspec.checkpoint import export_heads, heads_info
 from selfspec.errors import SelfspecError
-from selfspec.memory import DTYPES as MODEL_DTYPES
+from selfspec.dtypes import DTYPES as MODEL_DTYPES
 
 DTYPES = {"keep": None, **MODEL_DTYPES}
 

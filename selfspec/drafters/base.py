@@ -47,6 +47,7 @@ class DraftRequest:
     generator: torch.Generator | None = None
     depth_for: Callable[[str], int] | None = None  # the engine's depth policy, asked per draft source
     rate_for: Callable[[str], float] | None = None  # ... and its expected tokens/s per draft source
+    node_cost: Callable[[float], float] | None = None  # verify cost of an n-node pass / a plain step (None: fixed size)
 
     def depth(self, source: str) -> int:
         """How deep ``source`` may draft this step (0: not at all); ``max_depth`` when nobody decides."""

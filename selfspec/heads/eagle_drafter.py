@@ -23,11 +23,13 @@ and each committed token's LM-head rows are gathered as they arrive (a few hundr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ..adaptive import tree_size_by_cost
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
@@ -74,15 +76,21 @@ class Candidates:
             p = self.parents[p]
         return out
 
-    def best(self, budget: int) -> list[int]:
-        """Up to ``budget`` nodes with the best scores whose parents are kept too, in creation order."""
-        keep: set[int] = set()
+    def ranked(self, budget: int) -> list[int]:
+        """Up to ``budget`` nodes, best score first, each after its parent (every prefix is ancestor-closed)."""
+        keep: list[int] = []
+        kept: set[int] = set()
         for i in sorted(range(len(self.tokens)), key=lambda i: -self.scores[i]):  # stable: parents win ties
             if len(keep) == budget:
                 break
-            if self.parents[i] < 0 or self.parents[i] in keep:
-                keep.add(i)
-        return sorted(keep)
+            if self.parents[i] < 0 or self.parents[i] in kept:
+                keep.append(i)
+                kept.add(i)
+        return keep
+
+    def best(self, budget: int) -> list[int]:
+        """Up to ``budget`` nodes with the best scores whose parents are kept too, in creation order."""
+        return sorted(self.ranked(budget))
 
     def to_tree(self, root: int, nodes: list[int]) -> DraftTree:
         """The draft tree of ``nodes`` (ancestor-closed, creation order) below ``root``."""
@@ -228,7 +236,10 @@ class EagleDrafter(Drafter):
             return chain(root, []), state
         cand = self._grow(state, state.root_feature, req.max_depth, budget)
         truncate(state.cache, state.cached)  # drop the drafted pairs: only committed ones stay
-        return cand.to_tree(root, cand.best(budget)), state
+        ranked = cand.ranked(budget)
+        if req.node_cost is not None:  # EAGLE-2: a node's path probability is its expected acceptance
+            ranked = ranked[:tree_size_by_cost([math.exp(cand.scores[i]) for i in ranked], req.node_cost)]
+        return cand.to_tree(root, sorted(ranked)), state
 
     def extra_parameters(self) -> int:
         """The head's trained parameters plus the gathered LM-head rows of a reduced draft vocabulary (a copy)."""

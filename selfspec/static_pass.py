@@ -1,0 +1,196 @@
+"""The target pass over a preallocated KV cache, tree sizes bucketed, optionally compiled.
+
+Every tensor the pass touches has one of a few fixed shapes, so ``torch.compile`` builds a handful of
+graphs (one per tree-size bucket) that serve every step, and CUDA graphs can replay them:
+
+    cache     transformers' ``StaticCache``: (1, kv_heads, max_len, head_dim) per layer, allocated once
+              per engine and reused by every request (grown, in steps of ``CACHE_STEP``, when one needs more)
+    a pass    root + tree (n nodes) padded to the bucket b >= n: node i is written into slot cache_len + i;
+              the mask (1, 1, b, max_len) lets node i see slots < cache_len, itself and its ancestors;
+              a padding node sees only its own slot and its logits are dropped
+    keep      the accepted path is copied into the slots after the root and the cache is cropped back
+              (``crop``), so stale slots past the committed length are never seen: the mask hides them
+              until the next pass overwrites them
+
+On a CPU the compiled graphs are frozen (weights pre-packed for the matmul kernels); on CUDA they are
+recorded as CUDA graphs ("reduce-overhead"). Inductor keeps what it compiled on disk
+(``$SELFSPEC_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set), so a second process starts fast.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import StaticCache
+
+from .errors import SelfspecError
+from .paths import selfspec_home
+from .tree import DraftTree
+from .verify import Verification, cache_kwarg
+
+BUCKETS = (1, 4, 8, 16, 32, 64)  # tree sizes (root included) a pass is padded to; one compiled graph each
+CACHE_STEP = 512  # the static cache grows in multiples of this (each size is another set of graphs)
+FREEZE = os.environ.get("SELFSPEC_FREEZE", "1") == "1"
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket holding ``n`` nodes."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise SelfspecError(f"a draft tree of {n} nodes exceeds the largest static bucket ({buckets[-1]}); "
+                        "lower --max-nodes or pass larger buckets")
+
+
+def ancestor_block(parents: list[int], bucket: int) -> torch.Tensor:
+    """(bucket, bucket) bool: node i may see node j (j is i or an ancestor of i); padding rows see themselves."""
+    own = torch.eye(bucket, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            own[i] |= own[p]  # parents come first, so own[p] already holds p's ancestors
+    return own
+
+
+def static_mask(block: torch.Tensor, cache_len: int, max_len: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """Additive mask (1, 1, b, max_len): every row sees slots < cache_len and, at cache_len.., its ``block`` row."""
+    b = block.shape[0]
+    mask = torch.full((b, max_len), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[:, :cache_len] = 0
+    mask[:, cache_len:cache_len + b].masked_fill_(block.to(device), 0)
+    return mask[None, None]
+
+
+def prefill_mask(n: int, max_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Causal additive mask (1, 1, n, max_len) for ``n`` tokens written from slot 0."""
+    return static_mask(torch.ones(n, n, dtype=torch.bool).tril(), 0, max_len, dtype, device)
+
+
+@dataclass
+class StaticHandle:
+    """A request's claim on the shared static cache: a newer request invalidates older handles."""
+
+    cache: StaticCache
+    epoch: int
+
+
+def _inductor_cache_dir() -> None:
+    """Keep compiled kernels and graphs across processes under ``$SELFSPEC_HOME`` (unless the user chose)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(selfspec_home() / "inductor"))
+
+
+class StaticPass:
+    """The target over a static cache; ``compile=True`` runs each tree-size bucket as a compiled graph."""
+
+    def __init__(self, model: torch.nn.Module, compile: bool = False, buckets: tuple[int, ...] = BUCKETS) -> None:
+        self.model = model
+        self.name = "compiled" if compile else "static"
+        self.buckets = tuple(sorted(buckets))
+        self.device = next(model.parameters()).device
+        self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.kwarg = cache_kwarg(type(self.decoder))
+        self.cache: StaticCache | None = None
+        self.max_len = 0
+        self.epoch = 0
+        self.compiled_shapes: set[tuple[int, int]] = set()  # (bucket, max_len) graphs built so far
+        self.step = self._compile() if compile else self._forward
+
+    def _compile(self):
+        _inductor_cache_dir()
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * len(self.buckets))  # one graph per bucket x size
+        if self.device.type == "cuda":
+            return torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
+        compiled = torch.compile(self._forward, dynamic=False)
+
+        def frozen(*args):  # dynamo must see the flag while tracing (it then guards on the weights' identity)
+            with torch._inductor.config.patch(freezing=FREEZE):
+                return compiled(*args)
+        return frozen
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, b) tokens at (1, b) positions under a (1, 1, b, max_len) mask -> logits (1, b, V), states (1, b, H)."""
+        out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                           **{self.kwarg: self.cache})
+        h = out.last_hidden_state
+        return self.head(h), h
+
+    def new_cache(self, max_len: int) -> StaticHandle:
+        """Claim the shared cache for a request of at most ``max_len`` positions (grown if too small)."""
+        need = max_len + self.buckets[-1]  # a pass may pad past the request's last position
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if self.cache is None or need > self.max_len:
+            self.max_len = -(-need // CACHE_STEP) * CACHE_STEP
+            if limit:
+                self.max_len = max(min(self.max_len, limit + self.buckets[-1]), need)
+            self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        else:
+            self._truncate(0)
+        self.epoch += 1
+        return StaticHandle(self.cache, self.epoch)
+
+    def _own(self, handle: StaticHandle) -> StaticCache:
+        if handle.epoch != self.epoch or handle.cache is not self.cache:
+            raise SelfspecError("this request's KV cache was taken by a newer request on the same engine: "
+                                "a static-cache engine decodes one request at a time")
+        return handle.cache
+
+    def _truncate(self, length: int) -> None:
+        extra = int(self.cache.get_seq_length()) - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    @torch.no_grad()
+    def prefill(self, handle: StaticHandle, ids: torch.Tensor, hidden_states: bool) -> torch.Tensor | None:
+        """Cache ``ids`` (1-D) from slot 0, eagerly (prompt lengths vary); last-layer states (n, H) if asked."""
+        self._own(handle)
+        n = ids.numel()
+        if n + self.buckets[-1] > self.max_len:
+            raise SelfspecError(f"the prompt ({n} tokens) does not fit the static cache ({self.max_len})")
+        positions = torch.arange(n, device=self.device)[None]
+        mask = prefill_mask(n, self.max_len, self.dtype, self.device)
+        out = self.decoder(input_ids=ids.to(self.device)[None], position_ids=positions, attention_mask=mask,
+                           use_cache=True, **{self.kwarg: self.cache})
+        return out.last_hidden_state[0] if hidden_states else None
+
+    @torch.no_grad()
+    def verify(self, handle: StaticHandle, tree: DraftTree, cache_len: int, hidden_states: bool) -> Verification:
+        """One pass over root + tree padded to its bucket; nodes land in slots cache_len .. cache_len + n - 1."""
+        self._own(handle)
+        n = tree.size
+        b = bucket_for(n, self.buckets)
+        if cache_len + b > self.max_len:
+            raise SelfspecError(f"the static cache ({self.max_len} positions) is full at {cache_len}")
+        ids = torch.zeros(1, b, dtype=torch.long)
+        ids[0, :n] = tree.tokens
+        positions = torch.full((1, b), cache_len, dtype=torch.long)
+        positions[0, :n] += torch.tensor(tree.depth)
+        mask = static_mask(ancestor_block(tree.parents, b), cache_len, self.max_len, self.dtype, self.device)
+        self.compiled_shapes.add((b, self.max_len))
+        logits, h = self.step(ids.to(self.device), positions.to(self.device), mask)
+        # clone: a CUDA-graph replay reuses its output buffers at the next call
+        return Verification(logits[0, :n].clone(), (h[0, :n].clone(),) if hidden_states else None)
+
+    def keep(self, handle: StaticHandle, start: int, keep: list[int]) -> None:
+        """Copy the pass's entries ``keep`` (ascending) into slots ``start..`` and crop to the committed length."""
+        cache = self._own(handle)
+        n = len(keep)
+        if keep != list(range(n)):
+            idx = torch.tensor(keep, device=self.device) + start
+            for layer in cache.layers:  # (1, kv_heads, max_len, head_dim): gather first, then write in place
+                layer.keys[:, :, start:start + n] = layer.keys.index_select(2, idx)
+                layer.values[:, :, start:start + n] = layer.values.index_select(2, idx)
+        self._truncate(start + n)
+
+    def length(self, handle: StaticHandle) -> int:
+        """Positions the request's cache holds."""
+        return int(self._own(handle).get_seq_length())
+
+    def draft_view(self, handle: StaticHandle):
+        """None: drafters that would draft inside the target's cache (early exit) keep their own instead."""
+        return None
