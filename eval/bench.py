@@ -230,6 +230,8 @@ def bench(args: argparse.Namespace) -> dict:
     if not args.report_only:
         prompts = load_bench_prompts(args.prompts.split(","), args.n, tok, args.max_prompt_tokens)
         run_questions(methods, target, tok, prompts, args, log)
+    for m in methods:  # vLLM workers hold a model copy each: free them before the float32 copy below
+        m.close()
     if not log.exists():
         raise SelfspecError(f"no runs in {out} to report")
     rows = read_records(log)
