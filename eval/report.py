@@ -42,12 +42,19 @@ def divergence_lines(report: dict) -> list[str]:
     return lines + [""]
 
 
+def _dtype_pass(setup: dict) -> str:
+    """'bfloat16 (--dtype auto), static target pass' from a run's setup (older reports lack the *_used keys)."""
+    used = setup.get("dtype_used", setup["dtype"])
+    text = f"{used} (--dtype auto)" if setup["dtype"] == "auto" and used != "auto" else used
+    return f"{text}, {setup['target_pass_used']} target pass" if setup.get("target_pass_used") else text
+
+
 def markdown(report: dict) -> str:
     """Tables: overall and per category (tokens/s, speedup, tau, identical), the divergence check, memory,
     budgets."""
     s, setup = report["summary"], report["setup"]
     lines = [f"# selfspec bench: {setup['model']}", "",
-             f"{s['questions']} questions, {setup['max_new_tokens']} new tokens, greedy, {setup['dtype']}, "
+             f"{s['questions']} questions, {setup['max_new_tokens']} new tokens, greedy, {_dtype_pass(setup)}, "
              f"{setup['device']}; methods interleaved per question after a warm-up. Speedup is against "
              f"`{s['baseline']}`; identical = greedy output equal to `{s['baseline']}`'s.", ""]
     if "draft-model" in s["categories"][OVERALL] and not setup.get("no_lookup"):
