@@ -1,4 +1,5 @@
-"""Tiny in-process models and drafters shared by the tests (CPU, seconds)."""
+"""Helpers shared by the tests (CPU, seconds): tiny in-process models, tokenizer and drafters, head
+settings, and the chi-square check of speculative sampling. Tests share code only through this file."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from types import ModuleType
 
 import pytest
 import torch
+from scipy.stats import chi2
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from selfspec.drafters.base import DraftContext, DraftRequest, Drafter
+from selfspec.sampling import SamplingConfig, logits_to_probs
 from selfspec.tree import from_paths
 
 
@@ -74,6 +77,96 @@ class OracleTreeDrafter(Drafter):
         branches = [truth] + [self._rand(req.max_depth) for _ in range(self.width - 1)]
         order = torch.randperm(len(branches), generator=self.rng).tolist()
         return from_paths(int(ctx.tokens[-1]), [branches[b] for b in order], req.max_nodes), state
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(chat_template: str | None = CHATML):
+    """A byte-level tokenizer (one token per byte, no merges) with ChatML control tokens; no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<s>",
+                                   additional_special_tokens=["<|im_start|>"])
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+# --- draft heads on tiny models ---------------------------------------------------------------------
+
+HEADS_HYPER = {"medusa": {}, "eagle": {"draft_vocab_size": 48, "top_k": 3}, "early-exit": {"exit_layer": 1}}
+
+
+def perturb(heads: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
+    """Move every trained weight off its initial value, so drafts are neither identity nor all-zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return heads
+
+
+def prompt_for(seed: int, n: int = 10, vocab: int = 64) -> list[int]:
+    """A prompt whose second half repeats its first (so prompt lookup has something to find)."""
+    g = torch.Generator().manual_seed(2000 + seed)
+    base = torch.randint(0, vocab, (n // 2,), generator=g).tolist()
+    return (base * 2)[:n]
+
+
+# --- the exact distribution of two sampled tokens, and a chi-square test against it ------------------
+
+SAMPLING_VOCAB = 8  # small enough that P(x1, x2 | prompt) is computable exactly
+SAMPLING_PROMPT = [1, 5, 2, 7, 3]
+SAMPLING = SamplingConfig(temperature=1.0, top_k=6)
+ALPHA = 0.001  # significance of every chi-square test (fixed seeds)
+
+
+def exact_joint(model: torch.nn.Module) -> torch.Tensor:
+    """P(x1, x2 | SAMPLING_PROMPT) under SAMPLING, shape (V, V)."""
+    with torch.no_grad():
+        p1 = logits_to_probs(model(torch.tensor([SAMPLING_PROMPT])).logits[0, -1], SAMPLING)
+        seqs = torch.tensor([SAMPLING_PROMPT + [x] for x in range(SAMPLING_VOCAB)])
+        p2 = logits_to_probs(model(seqs).logits[:, -1], SAMPLING)
+    return p1[:, None] * p2
+
+
+def chi_square_pvalue(samples: list[tuple[int, int]], probs: torch.Tensor) -> float:
+    """Goodness of fit of the sampled pairs to ``probs``; cells expected below 5 are pooled."""
+    counts = torch.zeros_like(probs)
+    for a, b in samples:
+        counts[a, b] += 1
+    expected = probs.flatten() * len(samples)
+    observed = counts.flatten()
+    big = expected >= 5
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    if exp[-1] == 0:
+        exp, obs = exp[:-1], obs[:-1]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return float(chi2.sf(stat, df=len(exp) - 1))
+
+
+def draw(engine, max_depth: int, n: int = 1500) -> list[tuple[int, int]]:
+    """``n`` pairs of first two tokens sampled by ``engine`` (a SpeculativeEngine) from SAMPLING_PROMPT."""
+    from selfspec.engine import DecodeConfig
+
+    out = []
+    # well-spread seeds: mt19937 seeded with consecutive small integers gives correlated first draws
+    seeds = torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(1234)).tolist()
+    for seed in seeds:
+        cfg = DecodeConfig(max_new_tokens=2, sampling=SAMPLING, max_depth=max_depth, adaptive=False, seed=seed)
+        toks = engine.generate(SAMPLING_PROMPT, cfg).tokens
+        out.append((toks[0], toks[1]))
+    return out
 
 
 @pytest.fixture

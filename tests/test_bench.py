@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -165,15 +163,6 @@ def test_budget_arithmetic():
     assert rows[1]["max_context"] == 300 and rows[0]["max_context"] > 300
     rows = budget_table(["x"], target, {"x": extra}, [budget], 301, None)
     assert rows[0]["fits"] is False
-
-
-def test_every_package_is_installed():
-    """pyproject lists packages by hand (eval/ is mapped to selfspec_eval): none may be forgotten."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    root = Path(__file__).resolve().parent.parent
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "selfspec").rglob("__init__.py")}
-    assert found | {"selfspec_eval"} == listed
 
 
 @pytest.mark.integration

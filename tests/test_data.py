@@ -15,37 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from conftest import CHATML, load_script, make_tokenizer
 from selfspec import data
 from selfspec.errors import SelfspecError
 
 ORIGINAL_HOME = os.environ.get("SELFSPEC_HOME")
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / "home"))
-
-
-def make_tokenizer(chat_template: str | None = CHATML):
-    """A byte-level tokenizer (one token per byte, no merges) with ChatML control tokens; no network."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<s>",
-                                   additional_special_tokens=["<|im_start|>"])
-    if chat_template:
-        fast.chat_template = chat_template
-    return fast
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chi2
 
-from conftest import tiny_model
+from conftest import ALPHA, SAMPLING_VOCAB as VOCAB, chi_square_pvalue, draw, exact_joint, tiny_model
 from selfspec.drafters.base import DraftContext, DraftRequest, Drafter
 from selfspec.drafters.draft_model import DraftModelDrafter
-from selfspec.engine import DecodeConfig, SpeculativeEngine
-from selfspec.sampling import SamplingConfig, logits_to_probs
+from selfspec.engine import SpeculativeEngine
+from selfspec.sampling import logits_to_probs
 from selfspec.tree import DraftTree
-
-VOCAB = 8
-PROMPT = [1, 5, 2, 7, 3]
-SAMPLING = SamplingConfig(temperature=1.0, top_k=6)
-ALPHA = 0.001
-N = 1500
 
 
 class SampledTreeDrafter(Drafter):
@@ -59,42 +52,6 @@ class SampledTreeDrafter(Drafter):
         rows = [torch.zeros(VOCAB) if r is None else r for r in rows]
         probs = torch.stack(rows) if self.honest else torch.full((len(rows), VOCAB), 1.0 / VOCAB)
         return DraftTree(torch.tensor(tokens), parents, probs), state
-
-
-def exact_joint(model: torch.nn.Module) -> torch.Tensor:
-    """P(x1, x2 | PROMPT) under SAMPLING, shape (V, V)."""
-    with torch.no_grad():
-        p1 = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1], SAMPLING)
-        seqs = torch.tensor([PROMPT + [x] for x in range(VOCAB)])
-        p2 = logits_to_probs(model(seqs).logits[:, -1], SAMPLING)
-    return p1[:, None] * p2
-
-
-def chi_square_pvalue(samples: list[tuple[int, int]], probs: torch.Tensor) -> float:
-    """Goodness of fit of the sampled pairs to ``probs``; cells expected below 5 are pooled."""
-    counts = torch.zeros_like(probs)
-    for a, b in samples:
-        counts[a, b] += 1
-    expected = probs.flatten() * len(samples)
-    observed = counts.flatten()
-    big = expected >= 5
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    if exp[-1] == 0:
-        exp, obs = exp[:-1], obs[:-1]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return float(chi2.sf(stat, df=len(exp) - 1))
-
-
-def draw(engine: SpeculativeEngine, max_depth: int) -> list[tuple[int, int]]:
-    out = []
-    # well-spread seeds: mt19937 seeded with consecutive small integers gives correlated first draws
-    seeds = torch.randint(0, 2**62, (N,), generator=torch.Generator().manual_seed(1234)).tolist()
-    for seed in seeds:
-        cfg = DecodeConfig(max_new_tokens=2, sampling=SAMPLING, max_depth=max_depth, adaptive=False, seed=seed)
-        toks = engine.generate(PROMPT, cfg).tokens
-        out.append((toks[0], toks[1]))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import test_engine_sampling as sampling_test
-from conftest import hf_greedy, tiny_model
+from conftest import (ALPHA, HEADS_HYPER as HYPER, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy,
+                      perturb, prompt_for, tiny_model)
 from selfspec.drafters.base import DraftContext, DraftRequest
 from selfspec.engine import DecodeConfig, SpeculativeEngine, prefill
 from selfspec.heads import init_heads, make_drafter
@@ -19,24 +19,6 @@ from selfspec.sampling import SamplingConfig
 from selfspec.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-HYPER = {"medusa": {}, "eagle": {"draft_vocab_size": 48, "top_k": 3}, "early-exit": {"exit_layer": 1}}
-
-
-def perturb(heads: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
-    """Move every trained weight off its initial value, so drafts are neither identity nor all-zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return heads
-
-
-def prompt_for(seed: int, n: int = 10, vocab: int = 64) -> list[int]:
-    g = torch.Generator().manual_seed(2000 + seed)
-    base = torch.randint(0, vocab, (n // 2,), generator=g).tolist()
-    return (base * 2)[:n]
 
 
 @pytest.mark.parametrize("perturbed", [False, True])
@@ -170,14 +152,12 @@ def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:
 
 
 @pytest.mark.parametrize("family", list(HYPER))
-def test_sampling_with_heads_is_lossless(family: str, monkeypatch) -> None:
-    monkeypatch.setattr(sampling_test, "N", 1000)
-    target = tiny_model(11, vocab=sampling_test.VOCAB, hidden=16)
+def test_sampling_with_heads_is_lossless(family: str) -> None:
+    target = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
     hyper = {"medusa": {}, "eagle": {"draft_vocab_size": 6, "top_k": 3}, "early-exit": {"exit_layer": 1}}[family]
     heads = perturb(init_heads(family, target, **hyper), 3, 0.2)
     engine = SpeculativeEngine(target, make_drafter(heads, target))
-    samples = sampling_test.draw(engine, 1)
-    assert sampling_test.chi_square_pvalue(samples, sampling_test.exact_joint(target)) > sampling_test.ALPHA
+    assert chi_square_pvalue(draw(engine, 1, n=1000), exact_joint(target)) > ALPHA
 
 
 @pytest.mark.integration

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import test_engine_sampling as sampling_test
-from conftest import hf_greedy, tiny_model
-from test_heads import HYPER, perturb, prompt_for
+from conftest import (ALPHA, HEADS_HYPER as HYPER, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy,
+                      perturb, prompt_for, tiny_model)
 from selfspec.drafters.base import DraftContext, DraftRequest, Drafter
 from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.lookup_first import LookupFirstDrafter
@@ -150,13 +149,11 @@ def test_lookup_first_heads_are_lossless(family: str, seed: int) -> None:
     assert inner.calls > 0
 
 
-def test_lookup_first_sampling_is_lossless(monkeypatch) -> None:
-    monkeypatch.setattr(sampling_test, "N", 1000)
-    target = tiny_model(11, vocab=sampling_test.VOCAB, hidden=16)
-    draft = tiny_model(12, vocab=sampling_test.VOCAB, hidden=16, layers=1)
+def test_lookup_first_sampling_is_lossless() -> None:
+    target = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
+    draft = tiny_model(12, vocab=SAMPLING_VOCAB, hidden=16, layers=1)
     engine = SpeculativeEngine(target, LookupFirstDrafter(DraftModelDrafter(draft), min_ngram=1, min_depth=1))
-    samples = sampling_test.draw(engine, 1)
-    assert sampling_test.chi_square_pvalue(samples, sampling_test.exact_joint(target)) > sampling_test.ALPHA
+    assert chi_square_pvalue(draw(engine, 1, n=1000), exact_joint(target)) > ALPHA
 
 
 def test_generate_flags_put_heads_behind_lookup(tmp_path):

@@ -11,13 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import hf_greedy, load_script, tiny_model
+from conftest import hf_greedy, load_script, make_tokenizer, tiny_model
 from selfspec.checkpoint import load_heads
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.train.config import TrainConfig, parse_config
 from selfspec.train.loop import train
-from test_data import make_tokenizer
 
 VOCAB = 272  # the byte-level test tokenizer has 259 tokens
 
