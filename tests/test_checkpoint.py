@@ -13,8 +13,8 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from conftest import hf_greedy, tiny_model
-from selfspec.checkpoint import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, export_heads, heads_info, load_augmented,
-                                 load_heads, save_heads, save_merged)
+from selfspec.checkpoint import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, check_heads_folder, export_heads, heads_info,
+                                 load_augmented, load_heads, read_tensors, save_heads, save_merged)
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads
@@ -140,6 +140,20 @@ def test_bad_tensors_are_errors(edit, needle: str, tmp_path: Path) -> None:
         load_heads(model, tmp_path)
 
 
+@pytest.mark.parametrize("keep", [0.0, 0.5, 0.99])
+def test_cut_short_weights_are_one_clear_error(keep: float, tmp_path: Path) -> None:
+    """A weight file cut short (header or data) is a SelfspecError from every reader, not safetensors' own."""
+    model = tiny_model(0)
+    save_heads(trained("eagle", model), model, tmp_path)
+    path = tmp_path / WEIGHTS_FILE
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+    for read in (lambda: load_heads(model, tmp_path), lambda: heads_info(tmp_path), lambda: read_tensors(tmp_path),
+                 lambda: check_heads_folder(tmp_path)):
+        with pytest.raises(SelfspecError, match=f"{WEIGHTS_FILE} is not a complete safetensors file"):
+            read()
+
+
 def test_not_a_heads_folder(tmp_path: Path) -> None:
     with pytest.raises(SelfspecError, match="not a selfspec heads folder"):
         load_heads(tiny_model(0), tmp_path)
@@ -182,14 +196,6 @@ def test_heads_info(tmp_path: Path) -> None:
         assert info["heads_parameters"] == 32 * 32 and info["heads_bytes"] == 2 * 32 * 32
         assert info["base_parameters"] == base_params
         assert info["heads_to_base_ratio"] == pytest.approx(1024 / base_params, rel=1e-3)
-
-
-def test_save_pretrained_method_matches_save_heads(tmp_path: Path) -> None:
-    model = tiny_model(0)
-    heads = init_heads("medusa", model, num_heads=2)
-    heads.save_pretrained(tmp_path / "a", model)
-    loaded, _ = load_heads(model, tmp_path / "a")
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in heads.state_dict().items())
 
 
 def test_sharded_weights_round_trip_and_draft_losslessly(tmp_path: Path) -> None:

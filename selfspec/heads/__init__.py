@@ -2,8 +2,8 @@
 
 Each family is a config dataclass (``config.py``), a module holding only the trained weights, and a
 :class:`~selfspec.drafters.base.Drafter` that joins the module to the target's frozen embeddings,
-layers, norm and LM head. ``init_heads`` makes an untrained module; ``selfspec.checkpoint`` saves
-and loads trained ones.
+layers, norm and LM head. ``init_heads`` makes an untrained module; ``selfspec.checkpoint`` (above this
+package: nothing here imports it) saves and loads trained ones.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ class Family(NamedTuple):
     drafter: type[Drafter]
 
 
+# the strongest drafter first: commands that find several heads for a model list them in this order
 FAMILIES: dict[str, Family] = {
-    "medusa": Family(MedusaHeads, MedusaDrafter),
     "eagle": Family(EagleHead, EagleDrafter),
+    "medusa": Family(MedusaHeads, MedusaDrafter),
     "early-exit": Family(ExitAdapter, EarlyExitDrafter),
 }
 

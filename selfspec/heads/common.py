@@ -28,22 +28,6 @@ def trained_parameter_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-class HeadsModule(torch.nn.Module):
-    """Base of every head family's trained module: the peft-like ``save_pretrained``."""
-
-    def save_pretrained(self, folder, base_model: torch.nn.Module, tokenizer=None, base_name: str | None = None,
-                        merged: bool = False, **kwargs):
-        """Save these heads in the selfspec format (``merged``: the base model too, loadable in one call).
-
-        ``kwargs`` go to :func:`selfspec.checkpoint.save_heads` (``dtype``, ``max_shard_size``).
-        """
-        from ..checkpoint import save_heads, save_merged
-
-        if merged:
-            return save_merged(self, base_model, folder, tokenizer=tokenizer, base_name=base_name, **kwargs)
-        return save_heads(self, base_model, folder, tokenizer=tokenizer, base_name=base_name, **kwargs)
-
-
 def placement(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
     """Device and floating dtype of ``model``'s weights, for building heads beside it."""
     for p in model.parameters():

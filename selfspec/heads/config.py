@@ -26,8 +26,18 @@ DEFAULT_MEDUSA_TREE: tuple[tuple[int, ...], ...] = (
 )
 
 
+class FamilyConfig:
+    """What every family's config answers besides its fields (a family with other needs overrides it)."""
+
+    family: ClassVar[str]
+
+    def copied_parameters(self, vocab_size: int, hidden_size: int) -> int:
+        """Parameters the drafter copies out of the target while drafting, beyond the trained ones: none."""
+        return 0
+
+
 @dataclass
-class MedusaConfig:
+class MedusaConfig(FamilyConfig):
     """K parallel heads on the target's last hidden state; head k predicts the token k places after the root."""
 
     family: ClassVar[str] = "medusa"
@@ -53,7 +63,7 @@ class MedusaConfig:
 
 
 @dataclass
-class EagleConfig:
+class EagleConfig(FamilyConfig):
     """One decoder layer of the target's own class over (feature, next-token embedding) pairs.
 
     ``intermediate_size`` narrows the layer's MLP (None: twice the hidden size, capped at the
@@ -84,9 +94,14 @@ class EagleConfig:
             raise SelfspecError(f"eagle draft_vocab_size {vocab} exceeds the target's vocabulary ({tc.vocab_size})")
         return replace(self, intermediate_size=width, draft_vocab_size=vocab)
 
+    def copied_parameters(self, vocab_size: int, hidden_size: int) -> int:
+        """A reduced draft vocabulary's rows of the target's LM head, gathered once when drafting starts."""
+        vocab = self.draft_vocab_size
+        return vocab * hidden_size if vocab and vocab < vocab_size else 0
+
 
 @dataclass
-class EarlyExitConfig:
+class EarlyExitConfig(FamilyConfig):
     """Draft with the target's first ``exit_layer`` layers, its final norm and LM head (shared, not copied).
 
     ``exit_projection``: a zero-initialised residual projection before the LM head (the only trained

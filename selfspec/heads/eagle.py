@@ -22,11 +22,11 @@ from torch import nn
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from ..verify import cache_kwarg
-from .common import HeadsModule, config_with_layers, text_config
+from .common import config_with_layers, text_config
 from .config import EagleConfig
 
 
-class EagleHead(HeadsModule):
+class EagleHead(nn.Module):
     """The trained part: input norms, ``fc`` (2H -> H), one decoder layer, its final norm; ``d2t`` (draft -> target ids)."""
 
     def __init__(self, config: EagleConfig, target_config: PretrainedConfig) -> None:

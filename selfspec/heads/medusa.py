@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..tree import DraftTree, chain
-from .common import HeadsModule, lm_head_rows, text_config, trained_parameter_count
+from .common import lm_head_rows, text_config, trained_parameter_count
 from .config import MedusaConfig
 
 
@@ -33,7 +33,7 @@ class ResidualBlock(nn.Module):
         return h + nn.functional.silu(self.linear(h))
 
 
-class MedusaHeads(HeadsModule):
+class MedusaHeads(nn.Module):
     """The trained part: ``num_heads`` independent stacks of residual blocks (no vocabulary matrices)."""
 
     def __init__(self, config: MedusaConfig, target_config: PretrainedConfig) -> None:
