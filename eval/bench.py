@@ -22,11 +22,14 @@ from pathlib import Path
 import torch
 
 from selfspec.data import apply_chat_template, load_prompts, read_records
+from selfspec.context import context_length
 from selfspec.engine import sync_device
-from selfspec.target_pass import AUTO_BACKEND_HELP, BACKENDS, make_target_pass
+from selfspec.dtypes import dtype_name
 from selfspec.errors import SelfspecError
-from selfspec.dtypes import DTYPE_CHOICES, dtype_name
 from selfspec.memory import counted_bytes, model_dtype, parse_bytes, predict_target, storages
+from selfspec.options import (OneLineParser, add_decoding_options, add_drafter_options, add_heads_path_option,
+                              add_model_options, load_target, non_negative_int, positive_int, run_command)
+from selfspec.target_pass import make_target_pass
 from selfspec.zoo import load_model, resolve
 
 from . import report as report_mod
@@ -37,56 +40,48 @@ from .metrics import summarize
 from .prompts import load_bench_prompts
 from .vllm_client import WorkerConfig, missing_environment
 
+HELP = "benchmark plain, separate-draft and self-speculative decoding"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every option of ``selfspec bench``."""
-    p = argparse.ArgumentParser(prog="selfspec bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="target: zoo name, hub id or folder")
-    p.add_argument("--draft-model", help="separate draft model for hf-assisted and draft-model (same tokenizer)")
-    p.add_argument("--heads", action="append", default=[], metavar="FOLDER",
-                   help="a heads checkpoint to benchmark (repeatable); checkpoints/<model>-<family> are added "
-                        "automatically")
+def memory_budgets(text: str) -> str:
+    """Comma-separated memory sizes (4GiB,8GiB), each checked as the line is parsed."""
+    try:
+        [parse_bytes(b) for b in text.split(",") if b.strip()]
+    except SelfspecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every option of ``selfspec bench``: the shared model, decoding and drafting ones, then the benchmark's."""
+    add_model_options(p)
+    add_decoding_options(p)
+    add_drafter_options(p, several_heads=True)
+    add_heads_path_option(p)
     p.add_argument("--methods", help="comma-separated, in order (default: every available one of "
-                   f"{', '.join(BASE_METHODS)}, medusa, eagle, early-exit, {', '.join(VLLM_METHODS)} (after "
+                   f"{', '.join(BASE_METHODS)}, eagle, medusa, early-exit, {', '.join(VLLM_METHODS)} (after "
                    "`make vllm-env`)); a head method with "
                    "'+lookup' (e.g. eagle+lookup) drafts by prompt lookup first where the context repeats itself")
     p.add_argument("--prompts", default="code,chat",
                    help="comma-separated sources: chat (ShareGPT held-out), code (HumanEval), or jsonl/json files "
                         "with 'prompt' records or MT-bench questions (question_id, category, turns)")
-    p.add_argument("--n", type=int, default=10, help="questions per source")
-    p.add_argument("--max-prompt-tokens", type=int, default=400, help="skip questions whose first turn is longer")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
-    p.add_argument("--max-depth", type=int, default=16, help="selfspec: deepest draft")
-    p.add_argument("--max-nodes", type=int, default=16, help="selfspec: largest draft tree, root included")
-    p.add_argument("--fixed-tree", action="store_true",
-                   help="selfspec: draft --max-depth levels (--max-nodes nodes) at every step instead of letting the "
-                        "adaptive controller pick the depth or step plain: the drafter's own acceptance (tau), the "
-                        "way papers report it; use its own --out")
-    p.add_argument("--draft-vocab", type=int, default=0,
+    p.add_argument("--n", type=positive_int, default=10, help="questions per source")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=400,
+                   help="skip questions whose first turn is longer")
+    p.add_argument("--draft-vocab", type=non_negative_int, default=0,
                    help="selfspec draft-model: draft over this many frequent token ids only (0: the whole vocabulary)")
-    p.add_argument("--no-lookup", action="store_true",
-                   help="selfspec draft-model: draft with the draft model alone (default: prompt lookup first where "
-                        "the context repeats itself, the draft model elsewhere)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto: bfloat16 on GPUs and on CPUs that compute it natively and faster, else float32")
-    p.add_argument("--target-pass", default="auto", choices=("auto", *BACKENDS),
-                   help="how selfspec runs the target (auto: " + AUTO_BACKEND_HELP + "); one pass object, its "
-                        "cache and compiled graphs, serves every selfspec method")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--memory-budget", default="",
+    p.add_argument("--memory-budget", default="", type=memory_budgets,
                    help="comma-separated budgets (e.g. 4GiB,8GiB): what fits each, and the longest context")
-    p.add_argument("--context", type=int, default=2048, help="context (prompt + output tokens) a budget must hold")
+    p.add_argument("--context", type=positive_int, default=2048,
+                   help="context (prompt + output tokens) a budget must hold")
     p.add_argument("--budget-speed", action="store_true",
                    help="also measure each method at the longest context that fits each budget (capped by "
                         "--budget-max-context); on CUDA the budget is enforced and an out-of-memory is recorded")
-    p.add_argument("--budget-max-context", type=int, default=4096)
-    p.add_argument("--out", default="eval/results/bench", help="folder for runs.jsonl and the report")
+    p.add_argument("--budget-max-context", type=positive_int, default=4096)
+    p.add_argument("--out", default="eval/results/bench", help="folder for runs.jsonl and the report "
+                   "(a --fixed-tree run: its own)")
     p.add_argument("--report-only", action="store_true", help="report the runs already in --out; run nothing")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
-    return p
 
 
 def run_one(method: Method, target, ids: list[int], args: argparse.Namespace) -> dict:
@@ -208,16 +203,13 @@ def without_missing_vllm(names: list[str]) -> list[str]:
 
 def bench(args: argparse.Namespace) -> dict:
     """Load, run (or resume), and build the report dict; writes the report files."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     budgets = [parse_bytes(b) for b in args.memory_budget.split(",") if b.strip()]
-    target, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    target, tok = load_target(args)
     dtype = model_dtype(target)  # what --dtype auto chose
     print(f"target {args.model}: {dtype_name(dtype)} (--dtype {args.dtype}) on {target.device}", flush=True)
     draft = load_model(args.draft_model, dtype=dtype, device=args.device)[0] if args.draft_model else None
-    heads = heads_folders(args.model, args.heads)
+    heads = heads_folders(args.model, args.heads, args.heads_path)
     names = args.methods.split(",") if args.methods else [
         m for m in BASE_METHODS if draft is not None or m not in ("hf-assisted", "draft-model")] + list(heads)
     names = without_missing_vllm(names + ([] if args.methods else list(VLLM_METHODS)))
@@ -226,6 +218,7 @@ def bench(args: argparse.Namespace) -> dict:
     shared = make_target_pass(target, args.target_pass)
     for m in methods:
         m.target_pass = shared
+    out.mkdir(parents=True, exist_ok=True)  # the first thing written: after every input was checked
     log = out / "runs.jsonl"
     if not args.report_only:
         prompts = load_bench_prompts(args.prompts.split(","), args.n, tok, args.max_prompt_tokens)
@@ -244,8 +237,7 @@ def bench(args: argparse.Namespace) -> dict:
     memory = {m.name: {"predicted": added[m.name].to_dict(), "predicted_at_context": added[m.name].at(args.context),
                        "measured": measured_added(m, target, [r for r in rows if r["method"] == m.name], plain_rows)}
               for m in methods}
-    limit = getattr(target.config, "max_position_embeddings", None)
-    budget_rows = budget_table(names, target, added, budgets, args.context, limit)
+    budget_rows = budget_table(names, target, added, budgets, args.context, context_length(target.config))
     if args.budget_speed and not args.report_only:
         budget_speeds(budget_rows, methods, target, tok, args)
     for m in methods:
@@ -264,15 +256,17 @@ def bench(args: argparse.Namespace) -> dict:
     return report
 
 
+def run(args: argparse.Namespace) -> int:
+    """``selfspec bench``: exit status 1 when a lossless method diverged for real (a bug), else 0."""
+    return 1 if real_divergences(bench(args)["divergence"]) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``selfspec bench`` (and ``python -m selfspec_eval.bench``)."""
-    args = build_parser().parse_args(argv)
-    try:
-        report = bench(args)
-    except SelfspecError as exc:
-        print(f"selfspec bench: error: {exc}", file=sys.stderr)
-        return 2
-    return 1 if real_divergences(report["divergence"]) else 0  # a lossless method diverged: a failure
+    """``python -m selfspec_eval.bench``: the same command as ``selfspec bench``."""
+    parser = OneLineParser(prog="selfspec bench", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_command("selfspec bench", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -14,14 +14,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from selfspec.checkpoint import load_heads, read_heads_json
+from selfspec.checkpoint import find_heads, load_heads, read_heads_json
 from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_model import DraftModelDrafter, frequent_token_ids
 from selfspec.drafters.lookup_first import LookupFirstDrafter
@@ -29,30 +29,15 @@ from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine, sync_device
 from selfspec.errors import SelfspecError
 
+from .runs import Run
+
 if TYPE_CHECKING:
     from .vllm_client import VllmClient, WorkerConfig
 
 BASE_METHODS = ("hf", "hf-assisted", "plain", "draft-model", "prompt-lookup")
-HEAD_FAMILIES = ("medusa", "eagle", "early-exit")
-COMMITTED = Path(__file__).resolve().parent.parent / "checkpoints"
 # vLLM's speculative_config per method; ngram as in NOTES.md's measured setting
 VLLM_METHODS = {"vllm": None, "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 5,
                                              "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
-
-
-@dataclass
-class Run:
-    """One prompt through one method."""
-
-    tokens: list[int]
-    seconds: float
-    tau: float | None = None  # None for transformers' methods (they do not report it)
-    target_forwards: int | None = None
-    reached_depth: list[int] = field(default_factory=list)
-    accepted_at_depth: list[int] = field(default_factory=list)
-    draft_state_bytes: int = 0
-    max_tree_nodes: int = 0
-    cuda_peak_bytes: int | None = None
 
 
 @dataclass
@@ -106,15 +91,13 @@ def run_hf(model: nn.Module, ids: list[int], max_new: int, assistant: nn.Module 
     return Run(new[:cut], seconds)
 
 
-def heads_folders(model_name: str, extra: list[str]) -> dict[str, str]:
-    """Method name -> heads folder: the committed ``checkpoints/<model>-<family>`` ones, then ``extra``.
+def heads_folders(model_name: str, extra: list[str], search_path: list[str]) -> dict[str, str]:
+    """Method name -> heads folder: the model's ``<model>-<family>`` folders on ``search_path``, then ``extra``.
 
     A method is named by its family, or by its folder name when two folders share a family.
     """
-    folders = [str(COMMITTED / f"{Path(model_name).name}-{fam}") for fam in HEAD_FAMILIES]
-    folders = [f for f in folders if (Path(f) / "selfspec_heads.json").is_file()] + list(extra)
     out: dict[str, str] = {}
-    for folder in folders:
+    for folder in [*map(str, find_heads(model_name, search_path)), *extra]:
         fam = read_heads_json(folder)["family"]
         out[fam if fam not in out else Path(folder).name] = folder
     return out
@@ -158,7 +141,7 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
         else:
             known = ", ".join([*BASE_METHODS, *VLLM_METHODS, *heads, *(f"{h}+lookup" for h in heads)]) or "-"
             raise SelfspecError(f"unknown or unavailable method '{name}' (available: {known}); "
-                                "head methods need a checkpoint in checkpoints/ or --heads FOLDER")
+                                "head methods need the model's heads on --heads-path or --heads FOLDER")
     return out
 
 

@@ -18,13 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
-from selfspec.dtypes import DTYPE_CHOICES, dtype_name
+from selfspec.dtypes import dtype_name
 from selfspec.engine import sync_device
 from selfspec.errors import SelfspecError
 from selfspec.memory import model_dtype
-from selfspec.target_pass import BACKENDS, make_target_pass
+from selfspec.options import OneLineParser, add_model_options, load_target, positive_int, run_command
+from selfspec.target_pass import make_target_pass
 from selfspec.tree import chain
-from selfspec.zoo import load_model
 
 
 def pass_ms(target, cache, context: int, k: int, vocab: int) -> float:
@@ -78,27 +78,10 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name, folder or hub id")
-    p.add_argument("--context", type=int, default=300, help="tokens already in the cache")
-    p.add_argument("--k", default="1,2,4,8,16", help="new tokens per forward, comma-separated")
-    p.add_argument("--reps", type=int, default=7, help="timed rounds (median reported)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    p.add_argument("--target-pass", default="eager", choices=BACKENDS, help="how the target runs (selfspec/target_pass.py)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    args = p.parse_args(argv)
-    try:
-        ks = parse_ks(args.k)
-        if args.context < 1 or args.reps < 1:
-            raise SelfspecError(f"--context and --reps must be >= 1, got {args.context} and {args.reps}")
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
-    except SelfspecError as exc:
-        print(f"verify_cost: error: {exc}", file=sys.stderr)
-        return 2
+def run(args: argparse.Namespace) -> int:
+    """Load the target, time every k, print the table."""
+    ks = parse_ks(args.k)
+    model, _ = load_target(args)
     medians, first = measure(model, args.context, ks, args.reps, args.target_pass)
     print(f"{args.model}, {dtype_name(model_dtype(model))}, {args.target_pass} pass, {args.device}, cache "
           f"{args.context} tokens, {torch.get_num_threads()} threads, median of {args.reps}")
@@ -106,6 +89,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("first pass per k (ms; includes compiling on the compiled pass): "
           + ", ".join(f"{k}: {ms:.0f}" for k, ms in first.items()))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m selfspec_eval.verify_cost``: the shared model options, the cache length, the ks."""
+    p = OneLineParser(prog="verify_cost", description=__doc__.split("\n")[0])
+    add_model_options(p)
+    p.set_defaults(target_pass="eager")
+    p.add_argument("--context", type=positive_int, default=300, help="tokens already in the cache")
+    p.add_argument("--k", default="1,2,4,8,16", help="new tokens per forward, comma-separated")
+    p.add_argument("--reps", type=positive_int, default=7, help="timed rounds (median reported)")
+    return run_command("verify_cost", run, p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -27,16 +27,16 @@ from pathlib import Path
 
 from selfspec.errors import SelfspecError
 
-from .methods import Run
+from .runs import Run
 
-REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().with_name("vllm_worker.py")
 PYTHON_ENV = "SELFSPEC_VLLM_PYTHON"
 
 
 def vllm_python() -> Path:
-    """The vLLM environment's python: ``$SELFSPEC_VLLM_PYTHON``, else ``<repo>/.venv-vllm/bin/python``."""
-    return Path(os.environ.get(PYTHON_ENV) or REPO / ".venv-vllm" / "bin" / "python")
+    """The vLLM environment's python: ``$SELFSPEC_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the current
+    folder (where ``make vllm-env`` puts it: a clone's root)."""
+    return Path(os.environ.get(PYTHON_ENV) or Path.cwd() / ".venv-vllm" / "bin" / "python")
 
 
 def missing_environment() -> str | None:

@@ -17,6 +17,7 @@ import torch
 
 from .acceptance import accept_greedy, accept_sampling
 from .adaptive import DepthPolicy, VerifyCost
+from .context import check_fits
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .errors import SelfspecError
 from .dtypes import dtype_name
@@ -193,6 +194,7 @@ class SpeculativeEngine:
         start = time.perf_counter()
         stats.dtype, stats.target_pass = dtype_name(model_dtype(self.model)), self.target.name
         ids = self._prompt_tensor(prompt)
+        check_fits(self.model.config, ids.numel(), cfg.max_new_tokens)  # before anything runs
         gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
         need_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         state, hs = prefill(self.model, ids, need_hidden, self.target, ids.numel() + cfg.max_new_tokens)

@@ -211,24 +211,43 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _from_pretrained(cls, name_or_path: str, **kwargs):
+    """``cls.from_pretrained`` on the folder of a zoo name (fetched once), a local folder or a hub id."""
+    where = resolve(name_or_path)
+    try:
+        return cls.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as exc:  # missing files / not a causal LM
+        raise SelfspecError(f"could not load model '{name_or_path}': {str(exc).strip().splitlines()[0]}") from exc
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a zoo name, local folder or hub id (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(AutoTokenizer, name_or_path)
+
+
+def load_config(name_or_path: str):
+    """The model config of a zoo name, local folder or hub id (no weights loaded)."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, name_or_path)
+
+
 def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"):
     """Load a causal LM and its tokenizer from a zoo name, a local folder or a hub id (eval mode).
 
     ``dtype``: a torch dtype, a name (``"bfloat16"``), or ``"auto"``: the fastest the device computes
     natively (``selfspec.dtypes.resolve_dtype``); ``model.dtype`` tells which was chosen.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from .dtypes import resolve_dtype
 
     device = check_device(device)
-    where = resolve(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where)
-        dtype = resolve_dtype(dtype, device, AutoConfig.from_pretrained(where).get_text_config())
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
-    except (OSError, ValueError) as exc:  # missing files / not a causal LM
-        raise SelfspecError(f"could not load model '{name_or_path}': {str(exc).strip().splitlines()[0]}") from exc
+    tokenizer = load_tokenizer(name_or_path)
+    dtype = resolve_dtype(dtype, device, load_config(name_or_path).get_text_config())
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=dtype)
     model.to(device).eval()
     model.requires_grad_(False)
     return model, tokenizer

@@ -170,7 +170,7 @@ def test_bench_small_run_writes_report(tmp_path):
     """A small real run: JSON, Markdown and the three PNGs; every selfspec method identical to hf."""
     import json
 
-    from selfspec.cli import main
+    from selfspec_cli.main import main
 
     out = tmp_path / "bench"
     methods = "hf,hf-assisted,plain,draft-model,prompt-lookup"  # the target doubles as its own draft model
@@ -191,12 +191,14 @@ def test_bench_small_run_writes_report(tmp_path):
                  "--methods", methods, "--out", str(out), "--report-only", "--no-plots"]) == 0
 
 
-def test_bench_bad_model_is_one_line(capsys):
+def test_bench_bad_model_is_one_line(capsys, tmp_path):
     from selfspec_eval.bench import main
 
-    code = main(["--model", "/nonexistent/model/folder", "--out", "/tmp/x"])
+    code = main(["--model", "/nonexistent/model/folder", "--out", str(tmp_path / "out")])
     assert code == 2
-    assert "selfspec bench: error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("selfspec bench: error: could not load model") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
@@ -214,7 +216,8 @@ def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
     assert table({1: 10.0, 4: 15.0}).splitlines()[2:] == ["| 1 | 10.0 | 1.00 |", "| 4 | 15.0 | 1.50 |"]
     assert table({2: 10.0, 8: 20.0}).splitlines()[0] == "| k | ms | x k=2 |"
     assert parse_ks("1,2,8") == [1, 2, 8]
-    assert main(["--context", "0"]) == 2  # a one-line error before any model is loaded
+    with pytest.raises(SystemExit, match="2"):  # a one-line error as the line is parsed, before any model loads
+        main(["--context", "0"])
     for bad in ("", "0,2", "two"):
         with pytest.raises(SelfspecError, match="--k takes positive integers"):
             parse_ks(bad)

@@ -1,16 +1,24 @@
 """The README's main command: every drafter it shows gives the plain text, and it says so."""
 
+from pathlib import Path
+
 import pytest
 
-from selfspec.demo import committed_heads, run_demo
+from selfspec.checkpoint import find_heads
+from selfspec_cli.main import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
+COMMITTED = Path(__file__).resolve().parent.parent / "checkpoints"
+
 
 def test_demo_shows_identical_text(capsys):
-    assert run_demo("smollm2-135m-instruct", "Name three colours.", 24) == 0
+    assert main(["demo", "--prompt", "Name three colours.", "--max-new-tokens", "24",
+                 "--heads-path", str(COMMITTED)]) == 0
     out = capsys.readouterr().out
-    heads = len(committed_heads("smollm2-135m-instruct"))
-    shown = heads + (heads > 0) + 1  # each committed head family, the first behind lookup, prompt lookup
+    heads = len(find_heads("smollm2-135m-instruct", [COMMITTED]))
+    assert heads == 3
+    shown = heads + 1 + 1  # each committed head family, the first (EAGLE-style) behind lookup, prompt lookup
     assert out.count("identical to plain: yes") == shown
+    assert "heads: smollm2-135m-instruct-eagle + lookup" in out
     assert "NO" not in out

@@ -159,7 +159,8 @@ def test_lookup_first_sampling_is_lossless() -> None:
 def test_generate_flags_put_heads_behind_lookup(tmp_path):
     """``selfspec generate --heads F``: the checkpoint's drafter behind lookup; with ``--no-lookup``, bare."""
     from selfspec.checkpoint import save_heads
-    from selfspec.cli import build_drafter, build_parser
+    from selfspec_cli.generate import build_drafter
+    from selfspec_cli.main import build_parser
 
     model = tiny_model(0, vocab=64)
     save_heads(init_heads("medusa", model), model, tmp_path)

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from selfspec.data import apply_chat_template, jsonl_lines, load_chat_dataset
 from selfspec.errors import SelfspecError
-from selfspec.zoo import load_model
+from selfspec.zoo import DEFAULT_MODEL, load_model
 
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
@@ -66,7 +66,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: i
 def main() -> int:
     """Generate (or resume generating) the self-distillation file."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--data", default="sharegpt", help="sharegpt | humaneval | a .json/.jsonl file | hub id")
     p.add_argument("--split", default="train", help="train | heldout | all")
     p.add_argument("--max-examples", type=int, default=1000)

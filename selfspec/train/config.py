@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SelfspecError
+from ..zoo import DEFAULT_MODEL
 
 
 @dataclass
 class TrainConfig:
     """One head-training run."""
 
-    base_model: str = "smollm2-135m-instruct"  # zoo name, hub id or folder; loaded frozen
+    base_model: str = DEFAULT_MODEL  # zoo name, hub id or folder; loaded frozen
     family: str = "eagle"  # medusa | eagle | early-exit
     head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
     init_from: str = ""  # a heads folder to continue from (same family and shapes), e.g. a shorter run's

@@ -1,0 +1,93 @@
+"""selfspec demo (the README's main command): the same prompt decoded plainly and speculatively, side by side.
+
+Every heads checkpoint of the model found on --heads-path drafts in turn (from a clone's root, the
+committed ones in ./checkpoints), the first (EAGLE-style) also behind prompt lookup, then prompt
+lookup alone; each row says whether its text is identical to plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from selfspec.engine import GenerationResult
+from selfspec.options import add_decoding_options, add_heads_path_option, add_model_options, heads_folder
+
+HELP = "plain vs self-speculative decoding of one prompt, side by side"
+DEMO_PROMPT = ("Write a Python function `is_palindrome(s)` that ignores case and punctuation, "
+               "then show how to call it on three examples.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The prompt, the heads (given, or found on --heads-path), the shared model and decoding options."""
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--heads", type=heads_folder, metavar="FOLDER",
+                   help="one heads checkpoint (default: every one of the model's found on --heads-path)")
+    add_heads_path_option(p)
+    add_model_options(p)
+    add_decoding_options(p, max_new_tokens=160)
+
+
+def _row(name: str, res: GenerationResult, base: GenerationResult, width: int) -> str:
+    s = res.stats
+    speed = s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0
+    return (f"{name:<{width}} {s.new_tokens:>6} {s.tokens_per_s:>9.1f} {speed:>7.2f}x {s.mean_accepted:>6.2f} "
+            f"{s.target_forwards:>8}")
+
+
+def _drafters(model, tokenizer, folders: list[Path]) -> list[tuple[str, object]]:
+    """(row name, drafter): each heads folder, the first behind prompt lookup, then prompt lookup alone."""
+    from selfspec.checkpoint import load_heads
+    from selfspec.drafters.lookup_first import LookupFirstDrafter
+    from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+
+    drafters = [(f"heads: {f.name}", load_heads(model, str(f), tokenizer)[1]) for f in folders]
+    if drafters:  # what `selfspec generate --heads` runs: the first (EAGLE-style) heads behind prompt lookup
+        drafters.append((f"{drafters[0][0]} + lookup", LookupFirstDrafter(drafters[0][1])))
+    return drafters + [("prompt lookup (no training)", PromptLookupDrafter())]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Decode the prompt with plain decoding and each available drafter; print text, speed, τ, memory."""
+    from selfspec.checkpoint import find_heads
+    from selfspec.data import apply_chat_template
+    from selfspec.engine import DecodeConfig, SpeculativeEngine
+    from selfspec.memory import format_bytes, predict_added, predict_target
+    from selfspec.options import decode_config, load_target
+
+    torch.manual_seed(0)
+    model, tokenizer = load_target(args)
+    ids = apply_chat_template(tokenizer, [{"role": "user", "content": args.prompt}])
+    cfg = decode_config(args)  # greedy
+    folders = [Path(args.heads)] if args.heads else find_heads(args.model, args.heads_path)
+    drafters = _drafters(model, tokenizer, folders)
+    SpeculativeEngine(model, backend=args.target_pass).generate(ids[:8], DecodeConfig(max_new_tokens=4))  # warm-up
+    plain = SpeculativeEngine(model, None, tokenizer, args.target_pass).generate(ids, cfg)
+    results = [(name, SpeculativeEngine(model, d, tokenizer, args.target_pass).generate(ids, cfg), d)
+               for name, d in drafters]
+    base_params = sum(p.numel() for p in model.parameters())
+    model_bytes = predict_target(model).weights
+    print(f"model: {args.model} ({base_params / 1e6:.0f}M parameters), {plain.stats.dtype} (--dtype {args.dtype}), "
+          f"{plain.stats.target_pass} target pass, greedy, {cfg.max_new_tokens} new tokens\n")
+    print(f"prompt: {args.prompt}\n")
+    print("--- plain decoding ---")
+    print(plain.text)
+    print()
+    width = max(len(name) for name, _ in drafters)
+    print(f"{'method':<{width}} {'tokens':>6} {'tokens/s':>9} {'speedup':>8} {'tau':>6} {'passes':>8}")
+    print(_row("plain", plain, plain, width))
+    ok = True
+    for name, res, drafter in results:
+        print(_row(name, res, plain, width))
+        same = res.tokens == plain.tokens
+        ok &= same
+        added = predict_added(model, drafter, cfg.max_nodes).at(len(ids) + cfg.max_new_tokens)
+        print(f"{'':<{width}} identical to plain: {'yes' if same else 'NO'}; adds {format_bytes(added)} "
+              f"({100 * added / model_bytes:.1f}% of the model's {format_bytes(model_bytes)}): "
+              f"{drafter.extra_parameters() / 1e6:.2f}M parameters + its cache and draft tree")
+    if not folders:
+        where = ", ".join(str(d) for d in args.heads_path)
+        print(f"\n(no trained heads for {args.model} on --heads-path ({where}): showing training-free prompt lookup)")
+    return 0 if ok else 1

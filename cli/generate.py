@@ -1,0 +1,97 @@
+"""selfspec generate: one prompt, printed as it is decoded (stats on stderr), or one JSON object.
+
+The prompt is checked against the model's context before the weights load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from selfspec.errors import SelfspecError
+from selfspec.options import (add_decoding_options, add_drafter_options, add_model_options, add_sampling_options,
+                              decode_config, load_target)
+
+HELP = "decode one prompt (streams text, or --json)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The prompt, the output form, the drafter, and the shared model / decoding / sampling options."""
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup",
+                   help="what drafts when no --heads are given (default: %(default)s)")
+    add_model_options(p)
+    add_decoding_options(p)
+    add_sampling_options(p)
+    add_drafter_options(p)
+
+
+def build_drafter(args: argparse.Namespace, model, tokenizer):
+    """The drafter named by ``--drafter`` / ``--heads`` (None for plain decoding)."""
+    from selfspec.drafters.draft_model import DraftModelDrafter
+    from selfspec.drafters.lookup_first import LookupFirstDrafter
+    from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+    from selfspec.zoo import load_model
+
+    if args.heads:
+        from selfspec.checkpoint import load_heads
+
+        drafter = load_heads(model, args.heads, tokenizer=tokenizer)[1]
+        return drafter if args.no_lookup else LookupFirstDrafter(drafter)
+    if args.drafter == "none":
+        return None
+    if args.drafter == "prompt-lookup":
+        return PromptLookupDrafter()
+    if not args.draft_model:
+        raise SelfspecError("--drafter draft-model needs --draft-model NAME (e.g. qwen2.5-coder-0.5b-instruct)")
+    draft, draft_tok = load_model(args.draft_model, dtype=args.dtype, device=args.device)
+    if draft_tok.get_vocab() != tokenizer.get_vocab():
+        raise SelfspecError(f"--draft-model {args.draft_model} has a different tokenizer from --model {args.model}: "
+                            "a separate draft model must share the target's tokenizer")
+    drafter = DraftModelDrafter(draft, target_vocab_size=model.get_output_embeddings().out_features)
+    return drafter if args.no_lookup else LookupFirstDrafter(drafter)
+
+
+def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
+    """The prompt's token ids, through the tokenizer's chat template unless ``chat`` is False."""
+    from selfspec.data import apply_chat_template
+
+    if chat:
+        return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
+    return tokenizer.encode(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the prompt against the context, load, decode; print the text and stats."""
+    from selfspec.context import check_fits
+    from selfspec.engine import SpeculativeEngine
+    from selfspec.stats import GenerationStats
+    from selfspec.zoo import load_config, load_tokenizer
+
+    ids = prompt_ids(load_tokenizer(args.model), args.prompt, not args.no_chat_template)
+    check_fits(load_config(args.model), len(ids), args.max_new_tokens)
+    model, tokenizer = load_target(args)
+    drafter = build_drafter(args, model, tokenizer)
+    engine = SpeculativeEngine(model, drafter, tokenizer, backend=args.target_pass)
+    cfg = decode_config(args)
+    if args.json:
+        res = engine.generate(ids, cfg)
+        s = res.stats
+        print(json.dumps({"text": res.text, "new_tokens": s.new_tokens, "tokens_per_s": s.tokens_per_s,
+                          "mean_accepted": s.mean_accepted, "target_forwards": s.target_forwards,
+                          "dtype": s.dtype, "target_pass": s.target_pass,
+                          "drafter": drafter.name if drafter else "none", "stats": s.to_dict()}))
+        return 0
+    stats = GenerationStats()
+    for piece in engine.stream(ids, cfg, stats):
+        print(piece, end="", flush=True)
+    print()
+    drafts = ", ".join(f"{n} by {source}" for source, n in stats.drafts_by_source.items())
+    print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.mean_accepted:.2f}, "
+          f"{stats.target_forwards} target passes, {stats.dtype} {stats.target_pass} pass, "
+          f"drafter {drafter.name if drafter else 'none'}"
+          f"{'; drafts: ' + drafts if drafts else ''}]", file=sys.stderr)
+    return 0
