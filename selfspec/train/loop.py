@@ -1,8 +1,10 @@
 """The training loop, flat and visible: frozen target, trained heads, accelerate for devices and resume.
 
-    load target (frozen) -> init heads -> tokenize data -> (cache target features) -> for each step:
-    loss -> backward -> clip -> optimizer + warmup/cosine schedule -> log, checkpoint every N steps
-    -> per-epoch held-out top-1 accuracy per depth -> augmented checkpoint (selfspec heads format)
+    frozen_target -> starting_heads -> load_examples -> training_set (target features cached once)
+    -> prepare (loaders, optimizer, warmup + cosine schedule) -> resume
+    -> run_epochs: train_step (loss -> backward -> clip -> optimizer step) per batch, a log line and
+       every N steps a checkpoint per optimizer step, held-out top-1 accuracy per depth per epoch
+    -> write_heads (selfspec heads format, model card)
 
 Distribution is accelerate's own (DDP from `accelerate config`; FSDP or DeepSpeed through its
 config files). Resuming restores model, optimizer, scheduler and RNG states with
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,10 +25,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..checkpoint import load_heads, save_heads
-from ..data import load_chat_dataset, read_records
+from ..data import load_chat_dataset
 from ..errors import SelfspecError
 from ..heads import init_heads
 from ..zoo import load_model
+from .card import model_card
 from .config import TrainConfig, config_dict
 from .features import FeatureCache, TokenDataset, build_feature_cache, pad_batch, tokenize_all
 from .losses import depth_accuracy, feature_keys, head_loss, inner, target_features
@@ -112,78 +116,68 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
                             "use the original settings or a new --output-dir")
 
 
-def model_card(cfg: TrainConfig, log_path: Path, examples: int, heads) -> str:
-    """A short README for the heads folder: base, data, steps, time, held-out top-1 per depth."""
-    rows = read_records(log_path) if log_path.is_file() else []
-    steps = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "heldout_top1_by_depth" in r]
-    top1 = ", ".join(f"{a:.3f}" for a in evals[-1]["heldout_top1_by_depth"]) if evals else "not evaluated"
-    params = sum(p.numel() for p in heads.parameters())
-    hours = steps[-1]["elapsed_s"] / 3600 if steps else 0.0
-    return "\n".join([
-        f"# {cfg.family} heads for {cfg.base_model}", "",
-        f"- family: {cfg.family} ({params / 1e6:.2f}M trained parameters), head settings: {cfg.head_args or 'defaults'}",
-        f"- base model: {cfg.base_model}, frozen",
-        f"- data: {cfg.data}; {examples} training conversations (max {cfg.max_length} tokens), loss on assistant tokens",
-        f"- training: {len(steps)} optimizer steps, {cfg.epochs} epochs, batch {cfg.batch_size} x "
-        f"{cfg.gradient_accumulation_steps} accumulation, lr {cfg.learning_rate} (warmup {cfg.warmup_steps}, cosine), "
-        f"{hours:.2f} h of logged training time (last run segment)",
-        f"- held-out top-1 accuracy by draft depth (teacher-forced tokens): {top1}",
-        f"- final loss: {steps[-1]['loss']:.4f}" if steps else "- final loss: -",
-        "", "Reproduce: `python training/train_heads.py --config train_config.json` (the run's settings are in "
-        "train_config.json beside this card).", ""])
+@dataclass
+class Prepared:
+    """What the loop steps: accelerate's prepared heads, optimizer, schedule and loaders, and the schedule's length."""
+
+    heads: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loader: DataLoader
+    eval_loader: DataLoader
+    steps_per_epoch: int
+    total_steps: int
 
 
-def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=None) -> Path:
-    """Run (or resume) one training run; returns the folder of the trained heads checkpoint.
+def frozen_target(cfg: TrainConfig, device: torch.device, target=None, tokenizer=None):
+    """The target (``cfg.base_model`` unless given) with gradients off: no optimizer state, never trained."""
+    if target is None:
+        target, tokenizer = load_model(cfg.base_model, device=device)
+    target.eval().requires_grad_(False)
+    return target, tokenizer
 
-    ``target``/``tokenizer`` may be passed already loaded (frozen here); else ``cfg.base_model`` is loaded.
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+def starting_heads(cfg: TrainConfig, target, tokenizer) -> torch.nn.Module:
+    """Untrained heads of ``cfg.family`` in float32, or ``cfg.init_from``'s weights when continuing a run."""
+    heads = init_heads(cfg.family, target, **cfg.head_args).float()
+    if not cfg.init_from:
+        return heads
+    start, _ = load_heads(target, cfg.init_from, tokenizer=tokenizer)
+    if start.config.family != cfg.family:
+        raise SelfspecError(f"--init-from {cfg.init_from} holds {start.config.family} heads, not {cfg.family}")
+    try:
+        heads.load_state_dict(start.float().state_dict(), strict=True)
+    except RuntimeError as exc:
+        raise SelfspecError(f"--init-from {cfg.init_from} does not fit --head-arg {cfg.head_args}: "
+                            f"{str(exc).splitlines()[-1].strip()}") from exc
+    return heads
+
+
+def training_set(cfg: TrainConfig, accelerator, target, heads, examples: list[dict[str, torch.Tensor]], out: Path):
+    """The training examples with the target's states cached on disk (``cfg.cache_features``), or tokens only."""
+    if not cfg.cache_features:
+        return TokenDataset(examples)
+    with accelerator.main_process_first():
+        # what the states depend on (not the family: medusa and eagle read the same ones)
+        signature = {"base": cfg.base_model, "data": cfg.data, "max_examples": cfg.max_examples,
+                     "max_length": cfg.max_length, "heldout_fraction": cfg.heldout_fraction,
+                     "exit_layer": getattr(inner(heads).config, "exit_layer", None)}
+
+        def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+            with accelerator.autocast():  # the uncached path's precision (bf16 on AMX: 1.7x faster)
+                return target_features(cfg.family, target, heads, ids)
+
+        return build_feature_cache(features, examples, feature_keys(cfg.family),
+                                   Path(cfg.feature_dir or out / "features"), accelerator.device, signature)
+
+
+def prepare(cfg: TrainConfig, accelerator, heads, train_set, eval_examples: list[dict[str, torch.Tensor]]) -> Prepared:
+    """Loaders (a seeded shuffle), AdamW, warmup + cosine schedule, all through ``accelerator.prepare``."""
     from transformers import get_cosine_schedule_with_warmup
 
-    out = Path(cfg.output_dir)
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision=cfg.mixed_precision,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    set_seed(cfg.seed)
-    if target is None:
-        target, tokenizer = load_model(cfg.base_model, device=accelerator.device)
-    target.eval().requires_grad_(False)  # frozen: no gradients, no optimizer state
-    heads = init_heads(cfg.family, target, **cfg.head_args).float()
-    if cfg.init_from:
-        start, _ = load_heads(target, cfg.init_from, tokenizer=tokenizer)
-        if start.config.family != cfg.family:
-            raise SelfspecError(f"--init-from {cfg.init_from} holds {start.config.family} heads, not {cfg.family}")
-        try:
-            heads.load_state_dict(start.float().state_dict(), strict=True)
-        except RuntimeError as exc:
-            raise SelfspecError(f"--init-from {cfg.init_from} does not fit --head-arg {cfg.head_args}: "
-                                f"{str(exc).splitlines()[-1].strip()}") from exc
-    train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
-    eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
-    if not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
-        set_draft_vocab(heads, train_ex, target.get_output_embeddings().out_features)
-    keys = feature_keys(cfg.family)
-    if cfg.cache_features:
-        with accelerator.main_process_first():
-            # what the states depend on (not the family: medusa and eagle read the same ones)
-            signature = {"base": cfg.base_model, "data": cfg.data, "max_examples": cfg.max_examples,
-                         "max_length": cfg.max_length, "heldout_fraction": cfg.heldout_fraction,
-                         "exit_layer": inner(heads).config.exit_layer if cfg.family == "early-exit" else None}
-
-            def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-                with accelerator.autocast():  # the uncached path's precision (bf16 on AMX: 1.7x faster)
-                    return target_features(cfg.family, target, heads, ids)
-
-            train_set = build_feature_cache(features, train_ex, keys, Path(cfg.feature_dir or out / "features"),
-                                            accelerator.device, signature)
-    else:
-        train_set = TokenDataset(train_ex)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=pad_batch,
                         generator=torch.Generator().manual_seed(cfg.seed))
-    eval_loader = DataLoader(TokenDataset(eval_ex), batch_size=cfg.batch_size, collate_fn=pad_batch)
+    eval_loader = DataLoader(TokenDataset(eval_examples), batch_size=cfg.batch_size, collate_fn=pad_batch)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     # per process: accelerate gives each of N processes 1/N of the batches
     batches_per_epoch = math.ceil(len(train_set) / (cfg.batch_size * accelerator.num_processes))
@@ -193,64 +187,112 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps * accelerator.num_processes,
                                                 total_steps * accelerator.num_processes)
     heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
+    return Prepared(heads, optimizer, scheduler, loader, eval_loader, steps_per_epoch, total_steps)
 
-    step = 0
-    ckpt = latest_checkpoint(out) if cfg.resume else None
-    if cfg.resume:
-        check_resumable(cfg, out)
-    if ckpt is not None:
-        accelerator.load_state(str(ckpt))
-        step = int(ckpt.name.split("-")[1])
-        accelerator.print(f"resumed from {ckpt} (step {step})")
-    log_path = out / "log.jsonl"
+
+def resume(cfg: TrainConfig, accelerator, out: Path) -> int:
+    """The optimizer step to start from: 0, or the latest checkpoint's after restoring its states (``--resume``)."""
+    if not cfg.resume:
+        return 0
+    check_resumable(cfg, out)
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        return 0
+    accelerator.load_state(str(ckpt))
+    accelerator.print(f"resumed from {ckpt} (step {ckpt.name.split('-')[1]})")
+    return int(ckpt.name.split("-")[1])
+
+
+def append_log(accelerator, log_path: Path, row: dict) -> None:
+    """One JSON line in ``log.jsonl`` (main process only)."""
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(config_dict(cfg), indent=2))
-    stop_at = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+        with log_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batch: dict[str, torch.Tensor]):
+    """One micro-batch: loss, backward; at an accumulation boundary, clip. Returns (loss, its parts)."""
+    with accelerator.accumulate(run.heads):
+        with accelerator.autocast():  # mixed precision covers the whole loss, the frozen LM head included
+            loss, parts = head_loss(cfg.family, run.heads, target, with_features(batch, cfg, target, run.heads), cfg)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(run.heads.parameters(), cfg.max_grad_norm)
+        run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad()
+    return loss, parts
+
+
+def run_epochs(cfg: TrainConfig, accelerator, run: Prepared, target, out: Path, step: int) -> None:
+    """The loop, from optimizer step ``step``: log every step, checkpoint every ``save_every``, evaluate per epoch."""
+    log_path = out / "log.jsonl"
+    stop_at = min(run.total_steps, cfg.max_steps) if cfg.max_steps else run.total_steps
     bar = tqdm(total=stop_at, initial=step, desc=f"train {cfg.family}", disable=not accelerator.is_local_main_process)
     start = time.perf_counter()
-    heads.train()
-    for epoch in range(step // steps_per_epoch, cfg.epochs):
+    run.heads.train()
+    for epoch in range(step // run.steps_per_epoch, cfg.epochs):
         if step >= stop_at:
             break
-        loader.set_epoch(epoch)
-        done_in_epoch = (step - epoch * steps_per_epoch) * cfg.gradient_accumulation_steps
-        batches = accelerator.skip_first_batches(loader, done_in_epoch) if done_in_epoch else loader
+        run.loader.set_epoch(epoch)
+        done_in_epoch = (step - epoch * run.steps_per_epoch) * cfg.gradient_accumulation_steps
+        batches = accelerator.skip_first_batches(run.loader, done_in_epoch) if done_in_epoch else run.loader
         for batch in batches:
-            with accelerator.accumulate(heads):
-                with accelerator.autocast():  # mixed precision covers the whole loss, the frozen LM head included
-                    loss, parts = head_loss(cfg.family, heads, target, with_features(batch, cfg, target, heads), cfg)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
+            loss, parts = train_step(cfg, accelerator, run, target, batch)
             if not accelerator.sync_gradients:
                 continue
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}")
-            if accelerator.is_main_process:
-                with log_path.open("a") as f:
-                    f.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.item(), **parts,
-                                        "lr": scheduler.get_last_lr()[0],
-                                        "elapsed_s": time.perf_counter() - start}) + "\n")
+            append_log(accelerator, log_path, {"step": step, "epoch": epoch, "loss": loss.item(), **parts,
+                                               "lr": run.scheduler.get_last_lr()[0],
+                                               "elapsed_s": time.perf_counter() - start})
             if step % cfg.save_every == 0 or step == stop_at:
                 save_checkpoint(accelerator, out, step)
             if step >= stop_at:
                 break
-        if step % steps_per_epoch == 0 or step >= total_steps:  # a whole epoch is done
-            acc = evaluate(cfg, accelerator.unwrap_model(heads), target, eval_loader, accelerator.device)
+        if step % run.steps_per_epoch == 0 or step >= run.total_steps:  # a whole epoch is done
+            acc = evaluate(cfg, accelerator.unwrap_model(run.heads), target, run.eval_loader, accelerator.device)
             accelerator.print(f"epoch {epoch}: held-out top-1 by depth {[round(a, 3) for a in acc]}")
-            if accelerator.is_main_process:
-                with log_path.open("a") as f:
-                    f.write(json.dumps({"step": step, "epoch": epoch, "heldout_top1_by_depth": acc}) + "\n")
+            append_log(accelerator, log_path, {"step": step, "epoch": epoch, "heldout_top1_by_depth": acc})
     bar.close()
+
+
+def write_heads(cfg: TrainConfig, accelerator, heads, target, tokenizer, out: Path, examples: int) -> Path:
+    """``OUT/heads``: the trained heads in the selfspec format, with a model card and the run's settings."""
     accelerator.wait_for_everyone()
     final = out / "heads"
     if accelerator.is_main_process:
-        save_heads(accelerator.unwrap_model(heads), target, final, tokenizer=tokenizer, base_name=cfg.base_model)
-        (final / "README.md").write_text(model_card(cfg, log_path, len(train_ex), accelerator.unwrap_model(heads)))
+        heads = accelerator.unwrap_model(heads)
+        save_heads(heads, target, final, tokenizer=tokenizer, base_name=cfg.base_model)
+        (final / "README.md").write_text(model_card(cfg, out / "log.jsonl", examples, heads))
         (final / "train_config.json").write_text(json.dumps(config_dict(cfg), indent=2))
     return final
+
+
+def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=None) -> Path:
+    """Run (or resume) one training run; returns the folder of the trained heads checkpoint.
+
+    ``target``/``tokenizer`` may be passed already loaded (frozen here); else ``cfg.base_model`` is loaded.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    out = Path(cfg.output_dir)
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              mixed_precision=cfg.mixed_precision,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    set_seed(cfg.seed)
+    target, tokenizer = frozen_target(cfg, accelerator.device, target, tokenizer)
+    heads = starting_heads(cfg, target, tokenizer)
+    train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
+    eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
+    if not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
+        set_draft_vocab(heads, train_ex, target.get_output_embeddings().out_features)
+    run = prepare(cfg, accelerator, heads, training_set(cfg, accelerator, target, heads, train_ex, out), eval_ex)
+    step = resume(cfg, accelerator, out)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+    run_epochs(cfg, accelerator, run, target, out, step)
+    return write_heads(cfg, accelerator, run.heads, target, tokenizer, out, len(train_ex))
