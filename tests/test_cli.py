@@ -4,6 +4,7 @@ no traceback, nothing written, and no model loaded where the input could be chec
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,23 @@ def test_cut_short_heads_file_is_one_line_before_any_model(argv: list[str], cut_
     line = refused([*argv, str(cut_short)], capsys)
     assert f"{cut_short / WEIGHTS_FILE} is not a complete safetensors file" in line
     assert not any(workdir.iterdir())
+
+
+def test_heads_path_default_is_decided_in_one_place(monkeypatch) -> None:
+    """--heads-path: $SELFSPEC_HEADS_PATH if set, else ./checkpoints, which from a clone's root holds the
+    committed heads (what `make demo` finds); bench and demo read the same default."""
+    from selfspec.checkpoint import find_heads
+    from selfspec_cli.main import build_parser
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    monkeypatch.delenv("SELFSPEC_HEADS_PATH", raising=False)
+    for command in ("demo", "bench"):
+        assert build_parser().parse_args([command]).heads_path == [str(root / "checkpoints")]
+    assert [f.name for f in find_heads("smollm2-135m-instruct", [root / "checkpoints"])] == [
+        "smollm2-135m-instruct-eagle", "smollm2-135m-instruct-medusa", "smollm2-135m-instruct-early-exit"]
+    monkeypatch.setenv("SELFSPEC_HEADS_PATH", f"/a{os.pathsep}b")
+    assert build_parser().parse_args(["demo"]).heads_path == ["/a", str(root / "b")]
 
 
 @pytest.fixture
