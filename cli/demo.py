@@ -2,7 +2,9 @@
 
 Every heads checkpoint of the model found on --heads-path drafts in turn (from a clone's root, the
 committed ones in ./checkpoints), the first (EAGLE-style) also behind prompt lookup, then prompt
-lookup alone; each row says whether its text is identical to plain decoding's.
+lookup alone; each row says whether its text is identical to plain decoding's and, where it is not,
+whether the first differing token is a near-tie of the run's dtype (bf16 rounds a k-token pass differently
+from k one-token passes; ``selfspec/divergence.py``) or a real divergence, a bug (exit status 1).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from selfspec.divergence import IDENTICAL, NEAR_TIE, REAL, Divergence, DivergenceChecker
 from selfspec.engine import GenerationResult
 from selfspec.options import add_decoding_options, add_heads_path_option, add_model_options, heads_folder
+from selfspec.packed_linear import weight_numel
 
 HELP = "plain vs self-speculative decoding of one prompt, side by side"
 DEMO_PROMPT = ("Write a Python function `is_palindrome(s)` that ignores case and punctuation, "
@@ -49,6 +53,15 @@ def _drafters(model, tokenizer, folders: list[Path]) -> list[tuple[str, object]]
     return drafters + [("prompt lookup (no training)", PromptLookupDrafter())]
 
 
+def _same(d: Divergence, dtype: str) -> str:
+    """'yes', or where the output differs and whether that is rounding (a near-tie) or a bug."""
+    if d.verdict == IDENTICAL:
+        return "yes"
+    if d.verdict == NEAR_TIE:
+        return f"no, from token {d.index}: a {dtype} near-tie (rounding, not an error)"
+    return f"NO, from token {d.index}: a real divergence ({d.reason})"
+
+
 def run(args: argparse.Namespace) -> int:
     """Decode the prompt with plain decoding and each available drafter; print text, speed, τ, memory."""
     from selfspec.checkpoint import find_heads
@@ -67,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     plain = SpeculativeEngine(model, None, tokenizer, args.target_pass).generate(ids, cfg)
     results = [(name, SpeculativeEngine(model, d, tokenizer, args.target_pass).generate(ids, cfg), d)
                for name, d in drafters]
-    base_params = sum(p.numel() for p in model.parameters())
+    base_params = weight_numel(model)
     model_bytes = predict_target(model).weights
     print(f"model: {args.model} ({base_params / 1e6:.0f}M parameters), {plain.stats.dtype} (--dtype {args.dtype}), "
           f"{plain.stats.target_pass} target pass, greedy, {cfg.max_new_tokens} new tokens\n")
@@ -79,12 +92,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'method':<{width}} {'tokens':>6} {'tokens/s':>9} {'speedup':>8} {'tau':>6} {'passes':>8}")
     print(_row("plain", plain, plain, width))
     ok = True
+    checker = DivergenceChecker(model, max_new_tokens=cfg.max_new_tokens)
     for name, res, drafter in results:
         print(_row(name, res, plain, width))
-        same = res.tokens == plain.tokens
-        ok &= same
+        verdict = checker.diagnose(ids, plain.tokens, res.tokens)
+        ok &= verdict.verdict != REAL
         added = predict_added(model, drafter, cfg.max_nodes).at(len(ids) + cfg.max_new_tokens)
-        print(f"{'':<{width}} identical to plain: {'yes' if same else 'NO'}; adds {format_bytes(added)} "
+        print(f"{'':<{width}} identical to plain: {_same(verdict, plain.stats.dtype)}; adds {format_bytes(added)} "
               f"({100 * added / model_bytes:.1f}% of the model's {format_bytes(model_bytes)}): "
               f"{drafter.extra_parameters() / 1e6:.2f}M parameters + its cache and draft tree")
     if not folders:

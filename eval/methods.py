@@ -28,6 +28,7 @@ from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine, sync_device
 from selfspec.errors import SelfspecError
+from selfspec.packed_linear import dense_linears
 
 from .runs import Run
 
@@ -77,13 +78,14 @@ def run_hf(model: nn.Module, ids: list[int], max_new: int, assistant: nn.Module 
     """transformers greedy ``generate`` (assisted when ``assistant`` is given)."""
     x = torch.tensor([ids], device=model.device)
     kwargs = {"assistant_model": assistant} if assistant is not None else {}
-    sync_device(model.device)
-    start = time.perf_counter()
-    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
-                         pad_token_id=model.generation_config.pad_token_id, temperature=None, top_p=None, top_k=None,
-                         **kwargs)
-    sync_device(model.device)
-    seconds = time.perf_counter() - start
+    with dense_linears(model):  # stock transformers: the weights as loaded, not as selfspec's static pass packs them
+        sync_device(model.device)
+        start = time.perf_counter()
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                             pad_token_id=model.generation_config.pad_token_id, temperature=None, top_p=None,
+                             top_k=None, **kwargs)
+        sync_device(model.device)
+        seconds = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
     eos = model.generation_config.eos_token_id
     eos = set(eos) if isinstance(eos, list) else {eos}

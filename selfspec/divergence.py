@@ -56,6 +56,7 @@ from torch import nn
 from .engine import DecodeConfig, eos_ids
 from .kv_cache import new_cache
 from .memory import model_dtype
+from .packed_linear import dense_linears
 from .verify import forward_with_cache
 
 IDENTICAL, NEAR_TIE, REAL = "identical", "near-tie", "real"
@@ -155,7 +156,8 @@ def float32_copy(model: nn.Module) -> nn.Module:
     """``model`` itself when it is float32, else a float32 copy on the same device (weights x 4 bytes)."""
     if model_dtype(model) == torch.float32:
         return model
-    return copy.deepcopy(model).to(torch.float32).eval()
+    with dense_linears(model):  # packed weights are opaque to deepcopy and .to()
+        return copy.deepcopy(model).to(torch.float32).eval()
 
 
 def diagnose_divergence(model: nn.Module, fp32_model: nn.Module, prompt_ids: Sequence[int],

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .errors import SelfspecError
+from .packed_linear import weight_numel
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -72,6 +73,8 @@ def _tensors(obj, seen_objs: set[int]):
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
+    if t.is_mkldnn:  # an opaque packed weight (selfspec/packed_linear.py): no storage to ask, keyed by identity
+        return id(t), t.numel() * t.element_size()
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()
 
@@ -128,7 +131,7 @@ class MemoryEstimate:
 def predict_target(target: nn.Module) -> MemoryEstimate:
     """The target alone: its weights and its KV cache per token (plain decoding's working set is ignored)."""
     dtype = model_dtype(target)
-    weights = sum(p.numel() for p in target.parameters()) * torch.empty((), dtype=dtype).element_size()
+    weights = weight_numel(target) * torch.empty((), dtype=dtype).element_size()
     return MemoryEstimate(weights, kv_bytes_per_token(target.config, dtype))
 
 

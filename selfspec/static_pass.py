@@ -8,6 +8,8 @@ graphs (one per tree-size bucket) that serve every step, and CUDA graphs can rep
     a pass    root + tree (n nodes) padded to the bucket b >= n: node i is written into slot cache_len + i;
               the mask (1, 1, b, max_len) lets node i see slots < cache_len, itself and its ancestors;
               a padding node sees only its own slot and its logits are dropped
+    weights   on a CPU, uncompiled: every linear but the LM head packed into oneDNN's blocked layout
+              (``selfspec/packed_linear.py``; memory-neutral, 1.3-1.6x faster passes on this project's CPU)
     keep      the accepted path is copied into the slots after the root and the cache is cropped back
               (``crop``), so stale slots past the committed length are never seen: the mask hides them
               until the next pass overwrites them
@@ -26,6 +28,7 @@ import torch
 from transformers import StaticCache
 
 from .errors import SelfspecError
+from .packed_linear import is_packed, pack_linears, unpack_linears
 from .paths import selfspec_home
 from .tree import DraftTree
 from .verify import Verification, cache_kwarg
@@ -84,8 +87,16 @@ def _inductor_cache_dir() -> None:
 class StaticPass:
     """The target over a static cache; ``compile=True`` runs each tree-size bucket as a compiled graph."""
 
-    def __init__(self, model: torch.nn.Module, compile: bool = False, buckets: tuple[int, ...] = BUCKETS) -> None:
+    def __init__(self, model: torch.nn.Module, compile: bool = False, buckets: tuple[int, ...] = BUCKETS,
+                 pack: bool = True) -> None:
         self.model = model
+        # uncompiled on a CPU: the linears' weights in oneDNN's layout; compiled graphs trace the dense modules
+        # (frozen, inductor packs its own copy)
+        if compile:
+            unpack_linears(model)
+        elif pack:
+            pack_linears(model)
+        self.packed = is_packed(model)
         self.name = "compiled" if compile else "static"
         self.buckets = tuple(sorted(buckets))
         self.device = next(model.parameters()).device

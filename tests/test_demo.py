@@ -19,6 +19,7 @@ def test_demo_shows_identical_text(capsys):
     heads = len(find_heads("smollm2-135m-instruct", [COMMITTED]))
     assert heads == 3
     shown = heads + 1 + 1  # each committed head family, the first (EAGLE-style) behind lookup, prompt lookup
-    assert out.count("identical to plain: yes") == shown
+    same = out.count("identical to plain: yes") + out.count("near-tie (rounding, not an error)")
+    assert same == shown  # identical, or a rounding near-tie of the run's dtype at the first differing token
     assert "heads: smollm2-135m-instruct-eagle + lookup" in out
-    assert "NO" not in out
+    assert "NO" not in out and "real divergence" not in out

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..heads.config import config_from_dict
+from ..packed_linear import weight_numel
 from .format import open_weights, read_heads_json, weight_files
 from .identity import describe
 
@@ -34,7 +35,7 @@ def count_parameters(config) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    return weight_numel(model)
 
 
 def _local_base_config(folder: Path, name: str | None):

@@ -33,8 +33,9 @@ from ..adaptive import tree_size_by_cost
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
+from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_numel
 from ..tree import DraftTree, additive_mask, chain
-from .common import lm_head_rows, trained_parameter_count
+from .common import lm_head_rows
 from .eagle import EagleHead
 
 
@@ -133,6 +134,11 @@ class EagleDrafter(Drafter):
         self.lm_weight, self.lm_bias = lm_head_rows(target, None if full else head.d2t)
         self.d2t = head.d2t.cpu()
         self.reduced = not full
+        # on a CPU the head's matmuls run on oneDNN-packed weights, as the static target pass runs the target's
+        # (memory-neutral: the packed tensors replace the dense ones; the head's state dict stays dense)
+        pack_linears(self.head)
+        if self.reduced and packable(self.head):
+            self.lm_weight = pack_weight(self.lm_weight)
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> EagleState:
@@ -169,7 +175,7 @@ class EagleDrafter(Drafter):
 
     def _log_probs(self, state: EagleState, feats: torch.Tensor) -> torch.Tensor:
         """(n, H) features -> (n, draft_vocab + context tokens) log-probabilities."""
-        logits = nn.functional.linear(feats, self.lm_weight, self.lm_bias)
+        logits = linear(feats, self.lm_weight, self.lm_bias)
         if state.context_ids:
             logits = torch.cat([logits, nn.functional.linear(feats, state.context_weight, state.context_bias)], -1)
         return logits.float().log_softmax(-1)
@@ -243,8 +249,7 @@ class EagleDrafter(Drafter):
 
     def extra_parameters(self) -> int:
         """The head's trained parameters plus the gathered LM-head rows of a reduced draft vocabulary (a copy)."""
-        shared = self.lm_weight.data_ptr() == self.target.get_output_embeddings().weight.data_ptr()
-        return trained_parameter_count(self.head) + (0 if shared else self.lm_weight.numel())
+        return weight_numel(self.head) + (self.lm_weight.numel() if self.reduced else 0)
 
     def kv_bytes_per_token(self) -> int:
         """The head's one-layer KV cache."""

@@ -1,8 +1,8 @@
 """Early-exit drafting (LayerSkip-style): the target's first L layers, its final norm and LM head draft a chain.
 
 The truncated model is the target's own base-model class built with ``num_hidden_layers = L`` on
-the meta device, then given the target's parameters and buffers by name: every tensor is shared,
-nothing is copied, and no modeling code is repeated. The only trained weights are an optional exit
+the meta device, then given the target's own submodules by name (its first L layers, embeddings, norm):
+everything is shared, nothing is copied, and no modeling code is repeated. The only trained weights are an optional exit
 projection ``h + W h`` (W zero-initialised) between the final norm and the LM head.
 
 KV cache. The target's cache layers 0 .. L-1 already hold exactly what the truncated model needs for
@@ -47,30 +47,28 @@ class ExitAdapter(nn.Module):
         return hidden if self.proj is None else hidden + self.proj(hidden)
 
 
-def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, buffer: bool, persistent: bool = True) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    if buffer:
-        owner.register_buffer(leaf, tensor, persistent=persistent)
-    else:
-        setattr(owner, leaf, tensor)
-
-
 def truncated_decoder(target: nn.Module, num_layers: int) -> nn.Module:
-    """The target's base model cut to its first ``num_layers`` layers (+ final norm), sharing every tensor."""
+    """The target's base model cut to its first ``num_layers`` layers (+ final norm), sharing every module.
+
+    The cut holds the target's own submodules (its first layers, embeddings, norm, rotary embedding), not
+    copies of their tensors, so whatever later happens to a shared module (``selfspec/packed_linear.py``
+    packing its linears) happens to both."""
     decoder = target.get_decoder()
     config = config_with_layers(target.config, num_layers, attn_implementation=decoder.config._attn_implementation)
     with torch.device("meta"):
         cut = type(decoder)(config)
-    params, persistent = dict(decoder.named_parameters()), set(cut.state_dict())
-    for name, p in list(cut.named_parameters()):
-        source = params.get(name)
-        if source is None or source.shape != p.shape:
+    for name, child in list(cut.named_children()):
+        source = getattr(decoder, name, None)
+        if isinstance(child, nn.ModuleList) and isinstance(source, nn.ModuleList) and len(source) >= len(child):
+            setattr(cut, name, nn.ModuleList(source[:len(child)]))
+        elif type(source) is type(child):
+            setattr(cut, name, source)
+        else:
             raise SelfspecError(f"early exit cannot share '{name}' with {type(target).__name__}: "
-                                "its truncated copy does not have the same parameters")
-        _set_tensor(cut, name, source, buffer=False)
-    for name, _ in list(cut.named_buffers()):
-        _set_tensor(cut, name, decoder.get_buffer(name), buffer=True, persistent=name in persistent)
+                                "its truncated copy does not have the same modules")
+    persistent = set(cut.state_dict())
+    for name, _ in list(cut.named_buffers(recurse=False)):
+        cut.register_buffer(name, decoder.get_buffer(name), persistent=name in persistent)
     if any(t.is_meta for t in (*cut.parameters(), *cut.buffers())):
         raise SelfspecError(f"early exit could not share every tensor of {type(target).__name__}")
     return cut.eval()

@@ -1,0 +1,101 @@
+"""Packed linears (oneDNN's weight layout): same products, reversible bit for bit, counted as the same bytes, and the
+static target pass that uses them still decodes exactly what plain greedy decoding does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import hf_greedy, tiny_model
+from selfspec.divergence import float32_copy
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.memory import predict_target
+from selfspec.packed_linear import (PackedLinear, dense_linears, is_packed, pack_linears, unpack_linears,
+                                    weight_numel)
+from selfspec.target_pass import make_target_pass
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_computes_the_dense_product(dtype, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias).to(dtype)
+    packed = PackedLinear(linear)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for shape in [(1, 48), (5, 48), (16, 48), (2, 7, 48)]:
+        x = torch.randn(shape, dtype=dtype)
+        torch.testing.assert_close(packed(x), linear(x), atol=tol, rtol=tol)
+    back = packed.to_linear()
+    assert torch.equal(back.weight, linear.weight)
+    assert bias == (back.bias is not None) and (not bias or torch.equal(back.bias, linear.bias))
+
+
+def test_pack_and_unpack_are_exact_and_skip_the_output_embeddings():
+    model = tiny_model(3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    numel, predicted = weight_numel(model), predict_target(model)
+    head = model.get_output_embeddings()
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    dense_logits = model(ids).logits
+
+    assert pack_linears(model) > 0 and is_packed(model)
+    assert model.get_output_embeddings() is head and isinstance(head, nn.Linear)
+    assert pack_linears(model) == 0  # already packed
+    assert weight_numel(model) == numel and predict_target(model) == predicted
+    torch.testing.assert_close(model(ids).logits, dense_logits, atol=1e-5, rtol=1e-5)
+
+    unpack_linears(model)
+    assert not is_packed(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_packed_model_saves_and_loads_the_dense_state_dict():
+    model = tiny_model(8)
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    pack_linears(model)
+    state = model.state_dict()
+    assert state.keys() == dense.keys() and all(torch.equal(state[k], dense[k]) for k in dense)
+    other = tiny_model(9)
+    pack_linears(other)
+    other.load_state_dict(dense)
+    ids = torch.tensor([[2, 4, 6, 8]])
+    assert torch.equal(other(ids).logits, model(ids).logits)
+
+
+def test_dense_linears_is_a_reversible_context():
+    model = tiny_model(4)
+    pack_linears(model)
+    with dense_linears(model):
+        assert not is_packed(model)
+        assert all(not isinstance(m, PackedLinear) for m in model.modules())
+    assert is_packed(model)
+
+
+def test_packing_is_a_no_op_where_onednn_does_not_apply():
+    model = tiny_model(5).to(torch.float16)
+    assert pack_linears(model) == 0 and not is_packed(model)
+
+
+def test_float32_copy_of_a_packed_bf16_model():
+    model = tiny_model(6).to(torch.bfloat16)
+    pack_linears(model)
+    copy = float32_copy(model)
+    assert not is_packed(copy) and next(copy.parameters()).dtype == torch.float32
+    assert is_packed(model)  # the original is packed again
+
+
+def test_static_pass_packs_and_still_decodes_plain_greedy():
+    reference = tiny_model(7)
+    prompt = [3, 8, 1, 4, 4, 9, 2]
+    expected = hf_greedy(reference, prompt, 24)
+    model = tiny_model(7)
+    target = make_target_pass(model, "static")
+    assert target.packed and is_packed(model)
+    got = SpeculativeEngine(model, None, backend=target).generate(prompt, DecodeConfig(max_new_tokens=24))
+    assert got.tokens == expected
+    fresh = tiny_model(7)
+    assert not make_target_pass(fresh, "static", pack=False).packed and not is_packed(fresh)
