@@ -29,6 +29,7 @@ from selfspec.errors import SelfspecError
 from selfspec.memory import counted_bytes, model_dtype, parse_bytes, predict_target, storages
 from selfspec.options import (OneLineParser, add_decoding_options, add_drafter_options, add_heads_path_option,
                               add_model_options, load_target, non_negative_int, positive_int, run_command)
+from selfspec.packed_linear import is_packed, linear_modules
 from selfspec.target_pass import make_target_pass
 from selfspec.zoo import load_model, resolve
 
@@ -215,9 +216,11 @@ def bench(args: argparse.Namespace) -> dict:
     names = without_missing_vllm(names + ([] if args.methods else list(VLLM_METHODS)))
     vllm = WorkerConfig(resolve(args.model), dtype_name(dtype), torch.get_num_threads(), log_dir=str(out))
     methods = build_methods(names, target, tok, draft, heads, args.draft_vocab, lookup=not args.no_lookup, vllm=vllm)
+    dense = linear_modules(target)  # transformers' methods keep running on the dense weights the pass packs
     shared = make_target_pass(target, args.target_pass)
     for m in methods:
         m.target_pass = shared
+        m.dense = dense if m.kind == "hf" and is_packed(target) else None
     out.mkdir(parents=True, exist_ok=True)  # the first thing written: after every input was checked
     log = out / "runs.jsonl"
     if not args.report_only:

@@ -53,13 +53,14 @@ class Method:
     heads_dir: str | None = None
     client: VllmClient | None = None
     target_pass: object = "eager"  # selfspec: a backend name, or a pass shared by every selfspec method of a bench
+    dense: dict | None = None  # hf: the target's dense linear modules, kept when the shared pass packs them
 
     def run(self, target: nn.Module, ids: list[int], max_new: int, max_depth: int, max_nodes: int,
             adaptive: bool = True) -> Run:
         """Greedy decoding of ``ids``; new tokens up to and including EOS. ``adaptive=False``: every step
         drafts ``max_depth`` levels (``max_nodes`` nodes), whether or not it pays."""
         if self.kind == "hf":
-            return run_hf(target, ids, max_new, self.assistant)
+            return run_hf(target, ids, max_new, self.assistant, self.dense)
         if self.kind == "vllm":
             return self.client.run(ids, max_new)
         cfg = DecodeConfig(max_new_tokens=max_new, max_depth=max_depth, max_nodes=max_nodes, adaptive=adaptive)
@@ -74,11 +75,13 @@ class Method:
             self.client.close()
 
 
-def run_hf(model: nn.Module, ids: list[int], max_new: int, assistant: nn.Module | None = None) -> Run:
-    """transformers greedy ``generate`` (assisted when ``assistant`` is given)."""
+def run_hf(model: nn.Module, ids: list[int], max_new: int, assistant: nn.Module | None = None,
+           dense: dict | None = None) -> Run:
+    """transformers greedy ``generate`` (assisted when ``assistant`` is given) on the dense weights (``dense``:
+    the modules kept from before the static pass packed them, see ``selfspec.packed_linear.dense_linears``)."""
     x = torch.tensor([ids], device=model.device)
     kwargs = {"assistant_model": assistant} if assistant is not None else {}
-    with dense_linears(model):  # stock transformers: the weights as loaded, not as selfspec's static pass packs them
+    with dense_linears(model, dense):  # stock transformers: the weights as loaded, not as selfspec's static pass packs them
         sync_device(model.device)
         start = time.perf_counter()
         out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,

@@ -39,7 +39,7 @@ from typing import IO
 #    2% at 5 ms), so they do not slow the method that runs next.
 ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB, allocated up front; the context is fitted to it (max_model_len -1)
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB, allocated up front; the context is fitted to it (max_model_len -1)
     "KMP_BLOCKTIME": "5",
     "KMP_TPAUSE": "0",
 }

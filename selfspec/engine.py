@@ -18,6 +18,7 @@ import torch
 from .acceptance import accept_greedy, accept_sampling
 from .adaptive import DepthPolicy, VerifyCost
 from .context import check_fits
+from .detokenize import IncrementalText
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .errors import SelfspecError
 from .dtypes import dtype_name
@@ -271,16 +272,11 @@ class SpeculativeEngine:
         """Yield the new text piece by piece as steps commit (needs a tokenizer)."""
         if self.tokenizer is None:
             raise SelfspecError("streaming text needs a tokenizer: SpeculativeEngine(model, drafter, tokenizer)")
-        out: list[int] = []
-        shown = ""
+        text = IncrementalText(self.tokenizer)
         for new in self.steps(prompt, cfg or DecodeConfig(), stats or GenerationStats()):
-            out += new
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-                continue
-            if len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        if len(text) > len(shown):  # whatever was held back waiting for the rest of a character
-            yield text[len(shown):]
+            piece = text.add(new)
+            if piece:
+                yield piece
+        rest = text.finish()  # whatever was held back waiting for the rest of a character
+        if rest:
+            yield rest

@@ -9,6 +9,7 @@ once into its own blocked layout faster (Qwen2.5-Coder-1.5B's linears, bf16, 2 c
                             holding the reordered weight instead of the dense one (same bytes)
     unpack_linears(model)   the dense ``nn.Linear`` modules back, bit for bit
     dense_linears(model)    a context: dense inside (e.g. to time stock ``transformers``), packed again after
+                            (or, given the dense modules kept from before packing, swapped in and out)
 
 The packed weight computes the same products as the dense one (the tests check bit-equality on tiny models),
 but oneDNN may block the reduction differently for other shapes: bf16 outputs can differ in the last bit, which
@@ -130,11 +131,39 @@ def unpack_linears(model: nn.Module) -> int:
     return _replace(model, PackedLinear, PackedLinear.to_linear)
 
 
+def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules ``pack_linears`` packs (or has packed), by qualified name."""
+    skip = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, PackedLinear)) and m is not skip}
+
+
+def _swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Put ``modules`` in place by qualified name; returns those they replaced."""
+    replaced = {}
+    for name, module in modules.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        replaced[name] = getattr(parent, child)
+        setattr(parent, child, module)
+    return replaced
+
+
 @contextmanager
-def dense_linears(model: nn.Module):
-    """Dense ``nn.Linear`` modules inside the block (stock ``transformers`` behaviour), packed again after."""
+def dense_linears(model: nn.Module, kept: dict[str, nn.Module] | None = None):
+    """Dense ``nn.Linear`` modules inside the block (stock ``transformers`` behaviour), packed again after.
+
+    ``kept``: the dense modules, as :func:`linear_modules` returned them before packing (the caller keeps both
+    layouts in memory); they are swapped in and out, nothing is converted. Without it every weight is unpacked
+    and packed again: no extra memory, but a few seconds for a 1.5B model."""
     if not is_packed(model):
         yield model
+        return
+    if kept is not None:
+        packed = _swap(model, kept)
+        try:
+            yield model
+        finally:
+            _swap(model, packed)
         return
     unpack_linears(model)
     try:

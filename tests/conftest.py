@@ -4,6 +4,8 @@ settings, and the chi-square check of speculative sampling. Tests share code onl
 from __future__ import annotations
 
 import importlib.util
+import socket
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +26,18 @@ def load_script(relative: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def selfspec_command() -> list[str]:
+    """The ``selfspec`` command as a subprocess argv (this interpreter, so the test's environment)."""
+    return [sys.executable, "-m", "selfspec_cli"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_model(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 32, arch: str = "llama",

@@ -1,0 +1,28 @@
+"""``selfspec serve``: an OpenAI-compatible HTTP server over one speculative engine.
+
+    app.py        the routes: /v1/chat/completions, /v1/completions (streamed as server-sent events or
+                  not), /v1/models, /health, /metrics
+    protocol.py   OpenAI's request and response shapes, checked as they parse; its error JSON
+    worker.py     the bounded queue and the thread that decodes one request at a time
+    pacing.py     stream smoothing: tokens committed in bursts released at the measured rate
+    telemetry.py  what /metrics counts; metrics.py the Prometheus text format
+
+FastAPI on uvicorn: the ASGI stack most Python model servers use (vLLM's OpenAI server among them), with
+request validation built in, server-sent events through ``StreamingResponse``, and client disconnects
+surfaced to the stream's task. Install with ``pip install "selfspec[serve]"``.
+"""
+
+from __future__ import annotations
+
+from .app import ServerConfig, create_app
+
+__all__ = ["ServerConfig", "create_app", "run"]
+
+
+def run(engine, tokenizer, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+        log_level: str = "info", graceful_timeout: float = 30.0) -> None:
+    """Serve until interrupted; on SIGINT/SIGTERM finish or cancel (after ``graceful_timeout`` s) what is in flight."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, tokenizer, config), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=graceful_timeout)

@@ -1,0 +1,278 @@
+"""The ASGI application: OpenAI's chat and completion endpoints over one speculative engine.
+
+FastAPI (on Starlette, served by uvicorn): request models checked as they parse, server-sent events for
+streams, disconnects seen by the stream's task, a lifespan that starts and stops the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..context import check_fits, context_length
+from ..data import apply_chat_template
+from ..detokenize import IncrementalText
+from ..engine import DecodeConfig, SpeculativeEngine, eos_ids
+from ..errors import SelfspecError
+from .pacing import Pacer
+from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response, completion_chunk,
+                       completion_response, error_body, new_id, usage, usage_chunk)
+from .telemetry import Telemetry
+from .worker import Burst, EngineWorker, Finished, Job
+
+ERROR_STATUS = {"invalid_request_error": 400, "unavailable": 503, "server_error": 500}
+
+
+@dataclass
+class ServerConfig:
+    """What the server serves and how."""
+
+    model_name: str
+    max_waiting: int = 16  # requests queued behind the one decoding; more get 429
+    smooth: bool = True  # pace streams (per request: "smooth": false)
+    default_max_tokens: int = 512  # when a request sets no max_tokens (capped by the context left)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)  # drafting settings for every request
+
+
+class Server:
+    """The engine, its worker thread, the metrics, and the request handling the routes call."""
+
+    def __init__(self, engine: SpeculativeEngine, tokenizer, config: ServerConfig) -> None:
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.telemetry = Telemetry()
+        self.worker = EngineWorker(engine, config.max_waiting, on_finish=self.telemetry.on_finish)
+        self.vocab = engine.model.get_output_embeddings().out_features
+        self.created = int(time.time())
+
+    # --- requests -> jobs ----------------------------------------------------------------------------
+
+    def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
+        if isinstance(req, ChatRequest):
+            return apply_chat_template(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise APIError(400, f"prompt token ids must lie in [0, {self.vocab})", param="prompt")
+        return list(prompt)
+
+    def submit(self, req: ChatRequest | CompletionRequest) -> Job:
+        """Check, tokenize and queue ``req``; APIError for anything that cannot be served."""
+        req.check_supported()
+        if req.model != self.config.model_name:
+            raise APIError(404, f"the model '{req.model}' does not exist: this server serves "
+                                f"'{self.config.model_name}'", param="model", code="model_not_found")
+        ids = self.prompt_ids(req)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        limit = context_length(self.engine.model.config)
+        wanted = req.wanted_tokens()
+        max_new = wanted or (self.config.default_max_tokens if limit is None
+                             else max(1, min(self.config.default_max_tokens, limit - len(ids))))
+        try:
+            check_fits(self.engine.model.config, len(ids), max_new)
+        except SelfspecError as exc:
+            raise APIError(400, str(exc), param="messages" if isinstance(req, ChatRequest) else "prompt",
+                           code="context_length_exceeded") from None
+        job = Job(ids, req.decode_config(max_new, self.config.decode), asyncio.get_running_loop())
+        if not self.worker.accepting:
+            raise APIError(503, "the server is shutting down", type="unavailable")
+        if not self.worker.submit(job):
+            raise APIError(429, f"the server is busy ({self.worker.waiting} requests waiting); retry later",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.worker.retry_after())})
+        self.telemetry.queue(self.worker.waiting, self.worker.running is not None)
+        return job
+
+    def finish_reason(self, job: Job, tokens: list[int]) -> str:
+        hit_limit = len(tokens) >= job.cfg.max_new_tokens
+        return "length" if hit_limit and tokens[-1] not in eos_ids(self.engine.model, job.cfg) else "stop"
+
+    def summary(self, end: Finished) -> dict:
+        """selfspec's own numbers for one response."""
+        s = end.stats
+        return {"mean_accepted": s.mean_accepted, "target_passes": s.target_forwards,
+                "drafter": getattr(self.engine.drafter, "name", "none"), "decode_s": s.total_s}
+
+    def failed(self, end: Finished) -> APIError:
+        return APIError(ERROR_STATUS.get(end.error_type, 500), end.error or "decoding failed", type=end.error_type)
+
+    # --- answers -------------------------------------------------------------------------------------
+
+    async def answer(self, job: Job, request: Request, endpoint: str, rid: str, arrived: float) -> Finished:
+        """Wait for the whole decode (non-streaming); cancel it if the client leaves."""
+        first = True
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                continue
+            if isinstance(event, Burst):
+                if first and event.tokens:
+                    self.telemetry.ttft.observe(time.monotonic() - arrived)
+                    first = False
+                continue
+            self.done(endpoint, event, arrived)
+            return event
+
+    def done(self, endpoint: str, end: Finished, arrived: float) -> None:
+        self.telemetry.requests.inc(endpoint=endpoint, status=end.status)
+        self.telemetry.duration.observe(time.monotonic() - arrived)
+        self.telemetry.queue(self.worker.waiting, self.worker.running is not None)
+
+    async def stream(self, job: Job, req, endpoint: str, rid: str, arrived: float):
+        """Server-sent events: one chunk per token (paced), the finish, usage if asked, ``[DONE]``."""
+        chat = endpoint == "chat"
+        model = self.config.model_name
+        pacer = Pacer(enabled=self.config.smooth if req.smooth is None else req.smooth)
+        text = IncrementalText(self.tokenizer)
+        backlog: deque[int] = deque()
+        end: Finished | None = None
+        last_sent: float | None = None
+
+        def event(obj: dict) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        def piece_chunk(piece: str) -> str:
+            return event(chat_chunk(rid, model, {"content": piece}) if chat else completion_chunk(rid, model, piece))
+
+        try:
+            if chat:
+                yield event(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+            while True:
+                while end is None and (not backlog or not job.events.empty()):
+                    item = await job.events.get()
+                    if isinstance(item, Burst):
+                        backlog.extend(item.tokens)
+                        pacer.commit(len(item.tokens), item.time, len(backlog))
+                    else:
+                        end = item
+                if backlog:
+                    piece = text.add([backlog.popleft()])
+                    if piece:
+                        now = time.monotonic()
+                        if last_sent is None:
+                            self.telemetry.ttft.observe(now - arrived)
+                        else:
+                            self.telemetry.gap.observe(now - last_sent)
+                        last_sent = now
+                        yield piece_chunk(piece)
+                    delay = pacer.interval() if backlog else 0.0
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    continue
+                rest = text.finish()
+                if rest:
+                    yield piece_chunk(rest)
+                self.done(endpoint, end, arrived)
+                if end.status == "error":
+                    yield event(self.failed(end).body())
+                else:
+                    finish = self.finish_reason(job, end.tokens) if end.tokens else "stop"
+                    yield event(chat_chunk(rid, model, {}, finish) if chat else completion_chunk(rid, model, "", finish))
+                    if req.stream_options and req.stream_options.include_usage:
+                        kind = "chat.completion.chunk" if chat else "text_completion"
+                        yield event(usage_chunk(rid, model, kind, usage(len(job.ids), len(end.tokens))))
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if end is None:  # the client went away mid-stream (or the server is stopping): free the engine
+                job.cancel()
+                self.telemetry.requests.inc(endpoint=endpoint, status="disconnected")
+
+    async def handle(self, req: ChatRequest | CompletionRequest, request: Request, endpoint: str):
+        arrived = time.monotonic()
+        try:
+            job = self.submit(req)
+        except APIError as exc:
+            self.telemetry.requests.inc(endpoint=endpoint, status="rejected" if exc.status == 429 else "invalid")
+            raise
+        rid = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
+        if req.stream:
+            return StreamingResponse(self.stream(job, req, endpoint, rid, arrived), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        end = await self.answer(job, request, endpoint, rid, arrived)
+        if end.status == "error":
+            raise self.failed(end)
+        text = self.tokenizer.decode(end.tokens, skip_special_tokens=True)
+        finish = self.finish_reason(job, end.tokens) if end.tokens else "stop"
+        build = chat_response if endpoint == "chat" else completion_response
+        return build(rid, self.config.model_name, text, finish, usage(len(job.ids), len(end.tokens)), self.summary(end))
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:
+    """(status, message, param) of a request that did not parse: 400 for a body that is not JSON, else 422."""
+    errors = exc.errors()
+    if not errors:
+        return 422, "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return 400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or None
+    return 422, (f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))), where
+
+
+def create_app(engine: SpeculativeEngine, tokenizer, config: ServerConfig) -> FastAPI:
+    """The application; the engine thread starts with it and stops with it."""
+    server = Server(engine, tokenizer, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.worker.start()
+        yield
+        await asyncio.to_thread(server.worker.stop, 60.0)
+
+    app = FastAPI(title="selfspec", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        status, message, param = _validation_message(exc)
+        endpoint = "chat" if request.url.path.endswith("chat/completions") else "completions"
+        server.telemetry.requests.inc(endpoint=endpoint, status="invalid")
+        return JSONResponse(error_body(message, param=param), status_code=status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        return await server.handle(req, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await server.handle(req, request, "completions")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "selfspec"}]}
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if server.worker.accepting else "stopping", "waiting": server.worker.waiting,
+                "running": server.worker.running is not None}
+        return JSONResponse(body, status_code=200 if server.worker.accepting else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        server.telemetry.queue(server.worker.waiting, server.worker.running is not None)
+        return PlainTextResponse(server.telemetry.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,61 @@
+"""What the server counts, as Prometheus metrics (``/metrics``).
+
+Per finished request (engine thread): tokens, target passes (τ = tokens / passes), draft and verify time,
+drafts reaching and accepted at each depth. Per request on the event loop: the outcome, time to first
+token, the gaps between streamed tokens as the client receives them, the time spent queued.
+"""
+
+from __future__ import annotations
+
+from .metrics import Counter, Gauge, Histogram, Registry
+from .worker import Finished, Job
+
+GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class Telemetry:
+    """The server's metrics and the hooks that fill them."""
+
+    def __init__(self) -> None:
+        r = self.registry = Registry()
+        self.requests = r.add(Counter("selfspec_requests_total", "Requests answered, by endpoint and outcome"))
+        self.prompt_tokens = r.add(Counter("selfspec_prompt_tokens_total", "Prompt tokens of requests decoded"))
+        self.tokens = r.add(Counter("selfspec_generation_tokens_total", "Tokens the engine committed"))
+        self.passes = r.add(Counter("selfspec_target_passes_total", "Target verification passes"))
+        self.tau = r.add(Gauge("selfspec_mean_accepted_tokens", "Tokens per target pass over all requests (tau)"))
+        self.draft_s = r.add(Counter("selfspec_draft_seconds_total", "Seconds spent drafting"))
+        self.verify_s = r.add(Counter("selfspec_verify_seconds_total", "Seconds spent in target passes"))
+        self.reached = r.add(Counter("selfspec_draft_reached_total",
+                                     "Draft steps whose accepted path reached depth-1 (the draft was judged at depth)"))
+        self.accepted = r.add(Counter("selfspec_draft_accepted_total", "Draft tokens accepted, by depth"))
+        self.waiting = r.add(Gauge("selfspec_queue_length", "Requests waiting for the engine"))
+        self.running = r.add(Gauge("selfspec_requests_running", "Requests the engine is decoding (0 or 1)"))
+        self.ttft = r.add(Histogram("selfspec_time_to_first_token_seconds",
+                                    "From the request's arrival to its first token sent"))
+        self.gap = r.add(Histogram("selfspec_inter_token_latency_seconds",
+                                   "Gaps between tokens sent to a streaming client", GAP_BUCKETS))
+        self.queued = r.add(Histogram("selfspec_queue_wait_seconds", "From a request's arrival to its start"))
+        self.duration = r.add(Histogram("selfspec_request_duration_seconds", "From arrival to the last token sent"))
+
+    def on_finish(self, job: Job, end: Finished) -> None:
+        """Engine thread: count what the request's decoding did."""
+        s = end.stats
+        self.prompt_tokens.inc(len(job.ids))
+        self.tokens.inc(s.new_tokens)
+        self.passes.inc(s.target_forwards)
+        self.draft_s.inc(s.draft_s)
+        self.verify_s.inc(s.verify_s)
+        for depth, (r, a) in enumerate(zip(s.reached_depth, s.accepted_at_depth), start=1):
+            self.reached.inc(r, depth=str(depth))
+            self.accepted.inc(a, depth=str(depth))
+        passes = self.passes.value()
+        self.tau.set(self.tokens.value() / passes if passes else 0.0)
+        if job.started is not None:
+            self.queued.observe(job.started - job.submitted)
+
+    def queue(self, waiting: int, running: bool) -> None:
+        self.waiting.set(waiting)
+        self.running.set(int(running))
+
+    def render(self) -> str:
+        return self.registry.render()
