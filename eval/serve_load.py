@@ -6,8 +6,8 @@
 
 For each ``--server`` (extra ``selfspec serve`` arguments; each starts its own server on a free loopback
 port and stops it afterwards) and each concurrency, ``--requests`` streamed chat requests (held-out
-ShareGPT and HumanEval first turns, greedy) are sent by that many concurrent clients, smoothing on and off
-interleaved request by request. Per request, as the client receives it: time to first token, the gaps
+ShareGPT and HumanEval first turns, greedy) are sent by that many concurrent clients, each prompt twice
+in a row with smoothing on and off. Per request, as the client receives it: time to first token, the gaps
 between tokens (inter-token latency), and tokens per second after the first token. Bounded: at most
 ``--requests`` per cell, each at most ``--max-tokens``, the whole run under ``--time-limit`` seconds.
 Loopback only: ``--url`` must point at 127.0.0.1 / localhost.
@@ -130,9 +130,10 @@ def summarize(samples: list[Sample]) -> dict:
 
 def run_cell(url: str, model: str, prompts: list[list[dict]], concurrency: int, requests: int, max_tokens: int,
              deadline: float) -> list[Sample]:
-    """``requests`` streamed requests by ``concurrency`` clients, smoothing alternating on and off."""
+    """``requests`` streamed requests by ``concurrency`` clients: each prompt twice in a row, smoothing on then
+    off, so both settings see the same prompts."""
     lock = threading.Lock()
-    jobs = [(prompts[i % len(prompts)], i % 2 == 0) for i in range(requests)]
+    jobs = [(prompts[(i // 2) % len(prompts)], i % 2 == 0) for i in range(requests)]
     samples: list[Sample] = []
 
     def client() -> None:
@@ -171,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("serve_load: error: --url must be a loopback address (127.0.0.1 / localhost)", file=sys.stderr)
         return 2
     tok = load_tokenizer(args.model)
-    prompts = [p.messages([]) for p in load_bench_prompts(["chat", "code"], max(2, args.requests // 2), tok, 300)]
+    prompts = [p.messages([]) for p in load_bench_prompts(["chat", "code"], max(1, args.requests // 4), tok, 300)]
     deadline = time.monotonic() + args.time_limit
     servers = [None] if args.url else (args.server or ["--drafter none"])
     results = []

@@ -11,8 +11,8 @@ from conftest import hf_greedy, tiny_model
 from selfspec.divergence import float32_copy
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.memory import predict_target
-from selfspec.packed_linear import (PackedLinear, dense_linears, is_packed, pack_linears, unpack_linears,
-                                    weight_numel)
+from selfspec.packed_linear import (PackedLinear, dense_linears, is_packed, linear_modules, pack_linears,
+                                    unpack_linears, weight_numel)
 from selfspec.target_pass import make_target_pass
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
@@ -73,6 +73,16 @@ def test_dense_linears_is_a_reversible_context():
         assert not is_packed(model)
         assert all(not isinstance(m, PackedLinear) for m in model.modules())
     assert is_packed(model)
+
+
+def test_dense_linears_swaps_in_modules_kept_from_before_packing():
+    model = tiny_model(10)
+    kept = linear_modules(model)
+    pack_linears(model)
+    packed = linear_modules(model)
+    with dense_linears(model, kept):
+        assert linear_modules(model) == kept  # the very same module objects, nothing converted
+    assert linear_modules(model) == packed
 
 
 def test_packing_is_a_no_op_where_onednn_does_not_apply():

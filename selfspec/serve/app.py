@@ -113,7 +113,7 @@ class Server:
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), timeout=0.25)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
                 if await request.is_disconnected():
                     job.cancel()
                 continue
