@@ -180,6 +180,7 @@ def generate_cli(prompt: str, max_tokens: int, *extra: str) -> str:
     return json.loads(out.stdout.strip().splitlines()[-1])["text"]
 
 
+@pytest.mark.integration
 def test_greedy_text_equals_selfspec_generate(server):
     prompt = "Write a haiku about the sea."
     expected = generate_cli(prompt, 40)
@@ -200,6 +201,7 @@ def test_greedy_text_equals_selfspec_generate(server):
     assert got.choices[0].text == generate_cli(raw, 30, "--no-chat-template")
 
 
+@pytest.mark.integration
 def test_twenty_concurrent_clients_under_a_bounded_queue(server):
     expected = {p: chat(server, p, 12).choices[0].message.content for p in PROMPTS}
 
@@ -220,6 +222,7 @@ def test_twenty_concurrent_clients_under_a_bounded_queue(server):
     wait_idle(server)
 
 
+@pytest.mark.integration
 def test_a_disconnect_mid_stream_frees_the_engine(server):
     wait_idle(server)
     before = metrics(server)
@@ -240,6 +243,7 @@ def test_a_disconnect_mid_stream_frees_the_engine(server):
     assert chat(server, PROMPTS[0], 8).choices[0].message.content  # and the next request is served
 
 
+@pytest.mark.integration
 def test_bad_requests_get_their_errors_and_the_server_keeps_serving(server):
     c = client(server)
     user = [{"role": "user", "content": "hi"}]
@@ -264,6 +268,7 @@ def test_bad_requests_get_their_errors_and_the_server_keeps_serving(server):
     assert chat(server, PROMPTS[1], 8).choices[0].message.content  # still serving
 
 
+@pytest.mark.integration
 def test_models_health_and_metrics_add_up(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -293,6 +298,7 @@ def test_models_health_and_metrics_add_up(server):
     assert 0 <= accepted <= reached
 
 
+@pytest.mark.integration
 def test_graceful_shutdown_finishes_the_stream_in_flight():
     proc, url = start(["--drafter", "none", "--max-new-tokens", "24"])
     got = {}
