@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.engine import DecodeConfig, SpeculativeEngine
     from selfspec.memory import format_bytes, predict_added, predict_target
     from selfspec.options import decode_config, load_target
+    from selfspec.target_pass import make_target_pass
 
     torch.manual_seed(0)
     model, tokenizer = load_target(args)
@@ -76,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = decode_config(args)  # greedy
     folders = [Path(args.heads)] if args.heads else find_heads(args.model, args.heads_path)
     drafters = _drafters(model, tokenizer, folders)
-    SpeculativeEngine(model, backend=args.target_pass).generate(ids[:8], DecodeConfig(max_new_tokens=4))  # warm-up
-    plain = SpeculativeEngine(model, None, tokenizer, args.target_pass).generate(ids, cfg)
-    results = [(name, SpeculativeEngine(model, d, tokenizer, args.target_pass).generate(ids, cfg), d)
+    target = make_target_pass(model, args.target_pass)  # one static cache (and packing) for every row
+    SpeculativeEngine(model, backend=target).generate(ids[:8], DecodeConfig(max_new_tokens=4))  # warm-up
+    plain = SpeculativeEngine(model, None, tokenizer, target).generate(ids, cfg)
+    results = [(name, SpeculativeEngine(model, d, tokenizer, target).generate(ids, cfg), d)
                for name, d in drafters]
     base_params = weight_numel(model)
     model_bytes = predict_target(model).weights

@@ -19,6 +19,7 @@ the bench's divergence diagnosis tells apart from a bug.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from itertools import chain
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ BATCH_HINT = 16  # rows oneDNN lays the weight out for: measured fastest from 1 
 
 def packable(model: nn.Module) -> bool:
     """Whether this model's linears can be packed: CPU weights in float32 or bfloat16, oneDNN available."""
-    weight = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
+    weight = next((t for t in chain(model.parameters(), model.buffers()) if t.is_floating_point()), None)
     return (weight is not None and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available())
 
@@ -88,20 +89,22 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
-    def nbytes(self) -> int:
-        """Bytes the weight and bias hold (the packed layout pads little; counted as the dense size)."""
-        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.in_features * self.out_features * torch.empty((), dtype=self.dtype).element_size() + bias
 
-
-def _replace(model: nn.Module, kind: type, make) -> int:
-    """Replace every submodule of type ``kind`` (but the output embeddings) by ``make(module)``; how many."""
+def _modules(model: nn.Module, kinds: tuple[type, ...]) -> dict[str, nn.Module]:
+    """Submodules of ``kinds`` by qualified name, the output embeddings excepted (often tied to the input ones)."""
     skip = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind) and module is not skip]
-    for name, module in targets:
+    return {name: m for name, m in model.named_modules() if isinstance(m, kinds) and m is not skip}
+
+
+def _swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Put ``modules`` in place by qualified name; returns those they replaced."""
+    replaced = {}
+    for name, module in modules.items():
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, make(module))
-    return len(targets)
+        parent = model.get_submodule(parent_name) if parent_name else model
+        replaced[name] = getattr(parent, child)
+        setattr(parent, child, module)
+    return replaced
 
 
 def weight_numel(model: nn.Module) -> int:
@@ -122,30 +125,18 @@ def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
     returns how many. A no-op returning 0 where ``packable`` is false or the model is packed already."""
     if not packable(model) or is_packed(model):
         return 0
-    return _replace(model, nn.Linear, lambda m: PackedLinear(m, batch_hint))
+    return len(_swap(model, {n: PackedLinear(m, batch_hint) for n, m in _modules(model, (nn.Linear,)).items()}))
 
 
 @torch.no_grad()
 def unpack_linears(model: nn.Module) -> int:
     """Undo ``pack_linears``; returns how many modules went back to ``nn.Linear``."""
-    return _replace(model, PackedLinear, PackedLinear.to_linear)
+    return len(_swap(model, {n: m.to_linear() for n, m in _modules(model, (PackedLinear,)).items()}))
 
 
 def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The modules ``pack_linears`` packs (or has packed), by qualified name."""
-    skip = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, PackedLinear)) and m is not skip}
-
-
-def _swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    """Put ``modules`` in place by qualified name; returns those they replaced."""
-    replaced = {}
-    for name, module in modules.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        replaced[name] = getattr(parent, child)
-        setattr(parent, child, module)
-    return replaced
+    return _modules(model, (nn.Linear, PackedLinear))
 
 
 @contextmanager

@@ -93,6 +93,8 @@ class Server:
         return job
 
     def finish_reason(self, job: Job, tokens: list[int]) -> str:
+        if not tokens:
+            return "stop"
         hit_limit = len(tokens) >= job.cfg.max_new_tokens
         return "length" if hit_limit and tokens[-1] not in eos_ids(self.engine.model, job.cfg) else "stop"
 
@@ -107,7 +109,7 @@ class Server:
 
     # --- answers -------------------------------------------------------------------------------------
 
-    async def answer(self, job: Job, request: Request, endpoint: str, rid: str, arrived: float) -> Finished:
+    async def answer(self, job: Job, request: Request, endpoint: str, arrived: float) -> Finished:
         """Wait for the whole decode (non-streaming); cancel it if the client leaves."""
         first = True
         while True:
@@ -178,7 +180,7 @@ class Server:
                 if end.status == "error":
                     yield event(self.failed(end).body())
                 else:
-                    finish = self.finish_reason(job, end.tokens) if end.tokens else "stop"
+                    finish = self.finish_reason(job, end.tokens)
                     yield event(chat_chunk(rid, model, {}, finish) if chat else completion_chunk(rid, model, "", finish))
                     if req.stream_options and req.stream_options.include_usage:
                         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -201,11 +203,11 @@ class Server:
         if req.stream:
             return StreamingResponse(self.stream(job, req, endpoint, rid, arrived), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        end = await self.answer(job, request, endpoint, rid, arrived)
+        end = await self.answer(job, request, endpoint, arrived)
         if end.status == "error":
             raise self.failed(end)
         text = self.tokenizer.decode(end.tokens, skip_special_tokens=True)
-        finish = self.finish_reason(job, end.tokens) if end.tokens else "stop"
+        finish = self.finish_reason(job, end.tokens)
         build = chat_response if endpoint == "chat" else completion_response
         return build(rid, self.config.model_name, text, finish, usage(len(job.ids), len(end.tokens)), self.summary(end))
 

@@ -65,12 +65,12 @@ class Job:
 class EngineWorker:
     """The thread that owns the engine; requests reach it through :meth:`submit`."""
 
-    def __init__(self, engine: SpeculativeEngine, max_waiting: int = 16, on_step=None, on_finish=None) -> None:
+    def __init__(self, engine: SpeculativeEngine, max_waiting: int = 16, on_finish=None) -> None:
         if max_waiting < 1:
             raise SelfspecError(f"the queue must hold at least one request, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
-        self.on_step, self.on_finish = on_step, on_finish  # metrics hooks, called on the engine thread
+        self.on_finish = on_finish  # the metrics hook, called on the engine thread as a request ends
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.lock = threading.Lock()
         self.waiting = 0
@@ -135,8 +135,6 @@ class EngineWorker:
             for new in steps:
                 tokens += new
                 job.send(Burst(new, time.monotonic()))
-                if self.on_step is not None:
-                    self.on_step(stats)
                 if job.cancelled.is_set():
                     break
         except SelfspecError as exc:
