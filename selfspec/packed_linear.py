@@ -5,8 +5,9 @@ time to read them. ``torch.nn.functional.linear`` reads a row-major weight; oneD
 once into its own blocked layout faster (Qwen2.5-Coder-1.5B's linears, bf16, 2 cores: 1 row 174 ms -> 103 ms,
 16 rows 252 -> 157 ms), which is what inductor's freezing and vLLM's CPU backend do to their weights.
 
-    pack_linears(model)     every ``nn.Linear`` of the model but the output embeddings becomes a ``PackedLinear``
-                            holding the reordered weight instead of the dense one (same bytes)
+    pack_linears(model)     every ``nn.Linear`` of the model becomes a ``PackedLinear`` holding the reordered
+                            weight instead of the dense one (same bytes); output embeddings tied to the input
+                            ones stay dense (the embedding lookup needs the dense rows)
     unpack_linears(model)   the dense ``nn.Linear`` modules back, bit for bit
     dense_linears(model)    a context: dense inside (e.g. to time stock ``transformers``), packed again after
                             (or, given the dense modules kept from before packing, swapped in and out)
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 BATCH_HINT = 16  # rows oneDNN lays the weight out for: measured fastest from 1 to 32 rows on this project's CPU
+ROW_BLOCK = 16384  # output rows per packed block (an LM head's vocabulary is split; the target's layers are not)
 
 
 def packable(model: nn.Module) -> bool:
@@ -51,20 +53,57 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` in oneDNN's blocked layout; frozen (inference only). Its state dict is an
-    ``nn.Linear``'s (``weight``, ``bias``, dense), so saving and loading a packed model work unchanged."""
+    ``nn.Linear``'s (``weight``, ``bias``, dense), so saving and loading a packed model work unchanged.
+
+    A weight of more than ``ROW_BLOCK`` output rows (an LM head) is packed as blocks of rows, computed one after
+    the other into one output: as fast as one block, and a drafter that needs a few dense rows of the LM head
+    (``rows``) unpacks only the blocks holding them (~25 ms, not ~300 ms for a 150k-token vocabulary)."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
-        self.register_buffer("packed_weight", pack_weight(linear.weight, batch_hint), persistent=False)
+        self.dtype, self.batch_hint = linear.weight.dtype, batch_hint
+        self.blocks = 0
+        self._pack(linear.weight)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
+    def _pack(self, weight: torch.Tensor) -> None:
+        parts = weight.detach().split(ROW_BLOCK)
+        for i, part in enumerate(parts):
+            self.register_buffer(f"packed_{i}", pack_weight(part, self.batch_hint), persistent=False)
+        self.blocks = len(parts)
+
+    def packed_blocks(self) -> list[torch.Tensor]:
+        """The packed weight, ``ROW_BLOCK`` output rows per block."""
+        return [getattr(self, f"packed_{i}") for i in range(self.blocks)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias)
+        if self.blocks == 1:
+            return packed_linear(x, self.packed_0, self.bias)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        for i, block in enumerate(self.packed_blocks()):
+            lo = i * ROW_BLOCK
+            bias = None if self.bias is None else self.bias[lo:lo + ROW_BLOCK]
+            out[..., lo:lo + ROW_BLOCK] = packed_linear(x, block, bias)
+        return out
+
+    def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense rows ``index`` of the weight (all of them if None): a copy, unpacking only the blocks needed."""
+        if index is None:
+            return torch.cat([b.to_dense() for b in self.packed_blocks()])
+        index = index.cpu()
+        out = torch.empty(index.numel(), self.in_features, dtype=self.dtype)
+        for i in (index // ROW_BLOCK).unique().tolist():
+            here = (index // ROW_BLOCK) == i
+            out[here] = getattr(self, f"packed_{i}").to_dense().index_select(0, index[here] - i * ROW_BLOCK)
+        return out
+
+    def weight_numel(self) -> int:
+        """Elements of the (packed) weight and bias."""
+        return self.in_features * self.out_features + (0 if self.bias is None else self.bias.numel())
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # an nn.Linear's keys and dense tensors
-        destination[prefix + "weight"] = self.packed_weight.to_dense()
+        destination[prefix + "weight"] = self.rows()
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias
 
@@ -74,14 +113,14 @@ class PackedLinear(nn.Module):
             if prefix + name not in state_dict:
                 missing_keys.append(prefix + name)
         if prefix + "weight" in state_dict:
-            self.packed_weight = pack_weight(state_dict[prefix + "weight"].to(self.dtype))
+            self._pack(state_dict[prefix + "weight"].to(self.dtype))
         if self.bias is not None and prefix + "bias" in state_dict:
             self.bias = state_dict[prefix + "bias"].to(self.dtype)
 
     def to_linear(self) -> nn.Linear:
         """The dense ``nn.Linear`` this was packed from (bit-identical weights)."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = nn.Parameter(self.packed_weight.to_dense(), requires_grad=False)
+        linear.weight = nn.Parameter(self.rows(), requires_grad=False)
         if self.bias is not None:
             linear.bias = nn.Parameter(self.bias, requires_grad=False)
         return linear
@@ -90,9 +129,20 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
+def tied_output(model: nn.Module) -> nn.Module | None:
+    """The output embeddings when they share their weight with the input embeddings, else None."""
+    if not hasattr(model, "get_output_embeddings"):
+        return None
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    weight = getattr(out, "weight", None)
+    if weight is None or inp is None or getattr(inp, "weight", None) is None:
+        return None
+    return out if weight.data_ptr() == inp.weight.data_ptr() else None
+
+
 def _modules(model: nn.Module, kinds: tuple[type, ...]) -> dict[str, nn.Module]:
-    """Submodules of ``kinds`` by qualified name, the output embeddings excepted (often tied to the input ones)."""
-    skip = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    """Submodules of ``kinds`` by qualified name, output embeddings tied to the input ones excepted."""
+    skip = tied_output(model)
     return {name: m for name, m in model.named_modules() if isinstance(m, kinds) and m is not skip}
 
 
@@ -109,8 +159,7 @@ def _swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Modul
 
 def weight_numel(model: nn.Module) -> int:
     """The model's parameter count, packed or not (packed weights and biases are buffers, not parameters)."""
-    packed = sum(m.packed_weight.numel() + (0 if m.bias is None else m.bias.numel())
-                 for m in model.modules() if isinstance(m, PackedLinear))
+    packed = sum(m.weight_numel() for m in model.modules() if isinstance(m, PackedLinear))
     return sum(p.numel() for p in model.parameters()) + packed
 
 
@@ -121,7 +170,7 @@ def is_packed(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
-    """Pack every ``nn.Linear`` of ``model`` except its output embeddings (often tied to the input ones) in place;
+    """Pack every ``nn.Linear`` of ``model`` except output embeddings tied to the input ones, in place;
     returns how many. A no-op returning 0 where ``packable`` is false or the model is packed already."""
     if not packable(model) or is_packed(model):
         return 0

@@ -41,13 +41,14 @@ def free_port() -> int:
 
 
 def tiny_model(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 32, arch: str = "llama",
-               eos: int | None = None) -> torch.nn.Module:
-    """A random causal LM with peaked logits (initializer_range 0.2), so greedy ties are rare."""
+               eos: int | None = None, tie: bool = False) -> torch.nn.Module:
+    """A random causal LM with peaked logits (initializer_range 0.2), so greedy ties are rare; ``tie``: the
+    output embeddings share the input embeddings' weight."""
     torch.manual_seed(seed)
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.2, eos_token_id=eos, bos_token_id=None, pad_token_id=None,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=tie)
     cls, cfg_cls = (LlamaForCausalLM, LlamaConfig) if arch == "llama" else (Qwen2ForCausalLM, Qwen2Config)
     model = cls(cfg_cls(**kwargs)).eval()
     model.generation_config.eos_token_id = eos

@@ -10,7 +10,9 @@ from torch import nn
 from conftest import hf_greedy, tiny_model
 from selfspec.divergence import float32_copy
 from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.heads.common import lm_head, lm_head_rows
 from selfspec.memory import predict_target
+import selfspec.packed_linear as packed_linear_module
 from selfspec.packed_linear import (PackedLinear, dense_linears, is_packed, linear_modules, pack_linears,
                                     unpack_linears, weight_numel)
 from selfspec.target_pass import make_target_pass
@@ -33,8 +35,9 @@ def test_packed_linear_computes_the_dense_product(dtype, bias):
     assert bias == (back.bias is not None) and (not bias or torch.equal(back.bias, linear.bias))
 
 
-def test_pack_and_unpack_are_exact_and_skip_the_output_embeddings():
-    model = tiny_model(3)
+@pytest.mark.parametrize("tie", [False, True])
+def test_pack_and_unpack_are_exact_and_tied_output_embeddings_stay_dense(tie):
+    model = tiny_model(3, tie=tie)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     numel, predicted = weight_numel(model), predict_target(model)
     head = model.get_output_embeddings()
@@ -42,7 +45,15 @@ def test_pack_and_unpack_are_exact_and_skip_the_output_embeddings():
     dense_logits = model(ids).logits
 
     assert pack_linears(model) > 0 and is_packed(model)
-    assert model.get_output_embeddings() is head and isinstance(head, nn.Linear)
+    if tie:  # the embedding lookup reads the same dense weight
+        assert model.get_output_embeddings() is head and isinstance(head, nn.Linear)
+    else:
+        packed = model.get_output_embeddings()
+        assert isinstance(packed, PackedLinear)
+        assert torch.equal(packed.rows(), head.weight)
+        rows = torch.tensor([7, 0, 63])
+        assert torch.equal(packed.rows(rows), head.weight[rows])
+        assert torch.equal(lm_head_rows(model, rows)[0], head.weight[rows]) and lm_head(model) is packed
     assert pack_linears(model) == 0  # already packed
     assert weight_numel(model) == numel and predict_target(model) == predicted
     torch.testing.assert_close(model(ids).logits, dense_logits, atol=1e-5, rtol=1e-5)
@@ -51,6 +62,20 @@ def test_pack_and_unpack_are_exact_and_skip_the_output_embeddings():
     assert not is_packed(model)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_linear_of_many_rows_is_packed_in_blocks(monkeypatch):
+    monkeypatch.setattr(packed_linear_module, "ROW_BLOCK", 16)
+    torch.manual_seed(1)
+    linear = nn.Linear(24, 70).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert packed.blocks == 5
+    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    torch.testing.assert_close(packed(x), linear(x), atol=2e-2, rtol=2e-2)
+    rows = torch.tensor([69, 0, 17, 16, 33])
+    assert torch.equal(packed.rows(rows), linear.weight[rows]) and torch.equal(packed.rows(), linear.weight)
+    assert torch.equal(packed.state_dict()["weight"], linear.weight) and packed.weight_numel() == 24 * 70 + 70
+    assert torch.equal(packed.to_linear().weight, linear.weight)
 
 
 def test_a_packed_model_saves_and_loads_the_dense_state_dict():

@@ -6,6 +6,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..errors import SelfspecError
+from ..packed_linear import PackedLinear
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -36,14 +37,25 @@ def placement(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
     raise SelfspecError(f"{type(model).__name__} has no floating-point weights to attach heads to")
 
 
-def lm_head_rows(model: torch.nn.Module, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight (and bias) of the target's frozen LM head, restricted to ``rows`` (a reduced draft vocabulary)."""
+def lm_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The target's frozen LM head: its ``nn.Linear``, or the ``PackedLinear`` the static pass made of it.
+    Drafters look it up when they use it, so a head packed after they were built is the one they run."""
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
+    if not isinstance(head, (torch.nn.Linear, PackedLinear)):
         raise SelfspecError(f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a Linear: "
                             "draft heads need a plain LM head")
+    return head
+
+
+def lm_head_rows(model: torch.nn.Module, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight (and bias) of the target's frozen LM head, restricted to ``rows`` (a reduced draft vocabulary);
+    dense: a copy where the static pass has packed the head (to run the whole head, call :func:`lm_head`)."""
+    head = lm_head(model)
+    if rows is not None:
+        rows = rows.to(head.bias.device if head.bias is not None else "cpu")
+    bias = None if head.bias is None or rows is None else head.bias.index_select(0, rows)
+    if isinstance(head, PackedLinear):
+        return head.rows(rows), head.bias if rows is None else bias
     if rows is None:
         return head.weight, head.bias
-    rows = rows.to(head.weight.device)
-    bias = None if head.bias is None else head.bias.index_select(0, rows)
-    return head.weight.index_select(0, rows), bias
+    return head.weight.index_select(0, rows.to(head.weight.device)), bias

@@ -35,7 +35,7 @@ from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
 from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_numel
 from ..tree import DraftTree, additive_mask, chain
-from .common import lm_head_rows
+from .common import lm_head, lm_head_rows
 from .eagle import EagleHead
 
 
@@ -128,14 +128,16 @@ class EagleDrafter(Drafter):
         self.head = head.eval()
         self.top_k = top_k or head.config.top_k
         self.embed = target.get_input_embeddings()
-        full = head.d2t.numel() == target.get_output_embeddings().out_features and bool(
+        full = head.d2t.numel() == lm_head(target).out_features and bool(
             (head.d2t == torch.arange(head.d2t.numel(), device=head.d2t.device)).all())
-        # the LM head's rows for the draft vocabulary, gathered once (a copy of draft_vocab x H when reduced)
-        self.lm_weight, self.lm_bias = lm_head_rows(target, None if full else head.d2t)
+        # a reduced draft vocabulary: the LM head's rows for it, gathered once (a copy of draft_vocab x H);
+        # a full one: the target's own LM head, looked up at each use (the static pass may pack it later)
+        self.lm_weight, self.lm_bias = lm_head_rows(target, head.d2t) if not full else (None, None)
         self.d2t = head.d2t.cpu()
         self.reduced = not full
         # on a CPU the head's matmuls run on oneDNN-packed weights, as the static target pass runs the target's
         # (memory-neutral: the packed tensors replace the dense ones; the head's state dict stays dense)
+        self.dtype = model_dtype(self.head)  # before packing turns its linears' parameters into buffers
         pack_linears(self.head)
         if self.reduced and packable(self.head):
             self.lm_weight = pack_weight(self.lm_weight)
@@ -175,7 +177,7 @@ class EagleDrafter(Drafter):
 
     def _log_probs(self, state: EagleState, feats: torch.Tensor) -> torch.Tensor:
         """(n, H) features -> (n, draft_vocab + context tokens) log-probabilities."""
-        logits = linear(feats, self.lm_weight, self.lm_bias)
+        logits = linear(feats, self.lm_weight, self.lm_bias) if self.reduced else lm_head(self.target)(feats)
         if state.context_ids:
             logits = torch.cat([logits, nn.functional.linear(feats, state.context_weight, state.context_bias)], -1)
         return logits.float().log_softmax(-1)
@@ -196,7 +198,7 @@ class EagleDrafter(Drafter):
         m, start = state.pending.shape[0], state.cached
         tokens = ctx.tokens[start + 1:start + m + 1].tolist()  # x_{t+1} for each queued pair t; the last is the root
         self._add_context(state, tokens)
-        out = self._run(state.pending.to(self.lm_weight.dtype), tokens, list(range(start, start + m)), state.cache)
+        out = self._run(state.pending.to(self.dtype), tokens, list(range(start, start + m)), state.cache)
         state.cached, state.pending, state.root_feature = start + m, None, out[-1]
 
     def _top(self, state: EagleState, feats: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -253,4 +255,4 @@ class EagleDrafter(Drafter):
 
     def kv_bytes_per_token(self) -> int:
         """The head's one-layer KV cache."""
-        return kv_bytes_per_token(self.head.decoder.config, model_dtype(self.head))
+        return kv_bytes_per_token(self.head.decoder.config, self.dtype)

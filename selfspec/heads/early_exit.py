@@ -27,7 +27,7 @@ from ..kv_cache import truncate
 from ..sequence import common_prefix
 from ..tree import DraftTree, chain
 from ..verify import cache_kwarg
-from .common import config_with_layers, text_config, trained_parameter_count
+from .common import config_with_layers, lm_head, text_config, trained_parameter_count
 from .config import EarlyExitConfig
 
 
@@ -88,7 +88,6 @@ class EarlyExitDrafter(Drafter):
         self.target = target
         self.adapter = adapter.eval()
         self.decoder = truncated_decoder(target, adapter.config.exit_layer)
-        self.lm_head = target.get_output_embeddings()
         self.device = next(target.parameters()).device
 
     @torch.no_grad()
@@ -105,7 +104,7 @@ class EarlyExitDrafter(Drafter):
         """Feed ``ids`` (1, n) at positions ``start ..`` into ``cache``; the logits after the last one, (V,)."""
         pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.decoder)): cache})
-        return self.lm_head(self.adapter(out.last_hidden_state[0, -1]))
+        return lm_head(self.target)(self.adapter(out.last_hidden_state[0, -1]))
 
     @torch.no_grad()
     def propose(self, state: DraftModelState, ctx: DraftContext, req: DraftRequest
@@ -123,7 +122,7 @@ class EarlyExitDrafter(Drafter):
             truncate(cache, keep)
         feed = torch.tensor([tokens[keep:]], device=self.device)
         out = draft_chain(lambda ids, pos: self._logits(ids, pos, cache), feed, keep, depth, req,
-                          self.lm_head.out_features)
+                          lm_head(self.target).out_features)
         if shared is not None:
             truncate(cache, ctx.cache_len)  # give the target its layers back as they were
         else:

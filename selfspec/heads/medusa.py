@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..tree import DraftTree, chain
-from .common import lm_head_rows, text_config, trained_parameter_count
+from .common import lm_head, placement, text_config, trained_parameter_count
 from .config import MedusaConfig
 
 
@@ -81,7 +81,7 @@ class MedusaDrafter(Drafter):
     def __init__(self, target: nn.Module, heads: MedusaHeads) -> None:
         self.target = target
         self.heads = heads.eval()
-        self.lm_weight, self.lm_bias = lm_head_rows(target, None)
+        lm_head(target)  # a plain LM head, checked now
 
     def start(self, ctx: DraftContext) -> torch.Tensor | None:
         """State: the target's last hidden state (the one that predicted the root), or None before any."""
@@ -98,15 +98,16 @@ class MedusaDrafter(Drafter):
                 ) -> tuple[DraftTree, torch.Tensor | None]:
         """The configured tree, pruned to the request, labelled with each head's ranked tokens."""
         root = int(ctx.tokens[-1])
-        vocab = self.lm_weight.shape[0]
+        head = lm_head(self.target)
+        vocab = head.out_features
         paths = [p for p in self.heads.config.tree if max(p) < vocab]  # a tiny vocabulary has fewer ranks
         parents, labels = rank_tree(paths, req.max_depth, req.max_nodes)
         if state is None or len(parents) == 1:
             return chain(root, []), state
         depth = max(d for d, _ in labels)
         k = max(r for _, r in labels) + 1
-        states = self.heads(state[None].to(self.lm_weight.dtype))[:depth, 0]  # (depth, H)
-        logits = nn.functional.linear(states, self.lm_weight, self.lm_bias)  # (depth, V)
+        states = self.heads(state[None].to(placement(self.heads)[1]))[:depth, 0]  # (depth, H)
+        logits = head(states)  # (depth, V)
         top = logits.topk(k, dim=-1).indices.cpu()  # (depth, k)
         tokens = [root] + [int(top[d - 1, r]) for d, r in labels[1:]]
         return DraftTree(torch.tensor(tokens, dtype=torch.long), parents), state
