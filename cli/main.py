@@ -1,4 +1,4 @@
-"""The ``selfspec`` command: models, generate, demo, info, bench, serve.
+"""The ``selfspec`` command: models, generate, demo, info, bench, serve, export.
 
 Every user mistake ends as one line ``selfspec <command>: error: ...`` and exit status 2, never a
 stack trace: a bad value while the line is parsed (before any model loads), a SelfspecError after.
@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from selfspec.options import OneLineParser, run_command
 from selfspec_eval import bench
 
-from . import demo, generate, info, models, serve
+from . import demo, export, generate, info, models, serve
 
 # A subcommand is a module with HELP (one line), add_arguments(parser) and run(args) -> exit status;
 # its docstring is its --help description. Adding one is such a module plus an entry here.
-COMMANDS = {"models": models, "generate": generate, "demo": demo, "info": info, "bench": bench, "serve": serve}
+COMMANDS = {"models": models, "generate": generate, "demo": demo, "info": info, "bench": bench, "serve": serve,
+            "export": export}
 
 
 def build_parser() -> argparse.ArgumentParser:

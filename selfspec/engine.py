@@ -81,9 +81,10 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states: bool, target=None, max_len: int = 0
+def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states=False, target=None, max_len: int = 0
             ) -> tuple[DecodeState, tuple | None]:
-    """Cache the prompt except its last token (the first root). Returns the state and, if asked, hidden states.
+    """Cache the prompt except its last token (the first root). Returns the state and, if asked, hidden states
+    (``hidden_states``: True for the final layer, or indices into transformers' ``hidden_states``).
 
     ``target``: the target pass (default: eager); ``max_len``: the most positions the request will cache.
     """
@@ -91,8 +92,7 @@ def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states: bool, t
     cache = target.new_cache(max(max_len, prompt.numel()))
     hs = None
     if prompt.numel() > 1:
-        h = target.prefill(cache, prompt[:-1], hidden_states)
-        hs = (h,) if hidden_states else None  # drafters use the last layer only
+        hs = target.prefill(cache, prompt[:-1], hidden_states)
     return DecodeState(prompt.clone(), cache, prompt.numel()), hs
 
 
@@ -197,7 +197,7 @@ class SpeculativeEngine:
         ids = self._prompt_tensor(prompt)
         check_fits(self.model.config, ids.numel(), cfg.max_new_tokens)  # before anything runs
         gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
-        need_hidden = self.drafter is not None and self.drafter.needs_hidden_states
+        need_hidden = self.drafter.state_layers if self.drafter is not None and self.drafter.needs_hidden_states else ()
         state, hs = prefill(self.model, ids, need_hidden, self.target, ids.numel() + cfg.max_new_tokens)
         ctx = DraftContext(state.tokens, state.cache_len, hs, self.target.draft_view(state.cache))
         dstate = self.drafter.start(ctx) if self.drafter is not None else None  # the drafter's own prefill
@@ -238,9 +238,9 @@ class SpeculativeEngine:
                 if finished:
                     return
                 hidden = None
-                if need_hidden:  # the target's last-layer states at the positions just cached: root + path
+                if need_hidden:  # the drafter's layers' states at the positions just cached: root + path
                     rows = torch.tensor([0, *path], device=ver.logits.device)
-                    hidden = (ver.hidden_states[-1].index_select(0, rows),)
+                    hidden = tuple(h.index_select(0, rows) for h in ver.hidden_states)
                 ctx = DraftContext(state.tokens, state.cache_len, hidden, self.target.draft_view(state.cache))
                 if self.target.length(state.cache) != state.cache_len:  # compaction bug guard: cheap, never expected
                     raise RuntimeError(f"target cache holds {self.target.length(state.cache)} positions, "

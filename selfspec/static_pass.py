@@ -31,7 +31,7 @@ from .errors import SelfspecError
 from .packed_linear import is_packed, pack_linears, unpack_linears
 from .paths import selfspec_home
 from .tree import DraftTree
-from .verify import Verification, cache_kwarg
+from .verify import Verification, cache_kwarg, state_layers
 
 BUCKETS = (1, 4, 8, 16, 32, 64)  # tree sizes (root included) a pass is padded to; one compiled graph each
 CACHE_STEP = 512  # the static cache grows in multiples of this (each size is another set of graphs)
@@ -123,13 +123,14 @@ class StaticPass:
                 return compiled(*args)
         return frozen
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, b) tokens at (1, b) positions under a (1, 1, b, max_len) mask -> logits (1, b, V), states (1, b, H)."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...] = ()
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(1, b) tokens at (1, b) positions under a (1, 1, b, max_len) mask -> logits (1, b, V) and the states
+        (1, b, H) of ``layers`` (indices into ``hidden_states``; only the final one needs no extra outputs)."""
         out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                           **{self.kwarg: self.cache})
+                           output_hidden_states=any(i != -1 for i in layers), **{self.kwarg: self.cache})
         h = out.last_hidden_state
-        return self.head(h), h
+        return self.head(h), tuple(h if i == -1 else out.hidden_states[i] for i in layers)
 
     def new_cache(self, max_len: int) -> StaticHandle:
         """Claim the shared cache for a request of at most ``max_len`` positions (grown if too small)."""
@@ -157,20 +158,22 @@ class StaticPass:
             self.cache.crop(-extra)
 
     @torch.no_grad()
-    def prefill(self, handle: StaticHandle, ids: torch.Tensor, hidden_states: bool) -> torch.Tensor | None:
-        """Cache ``ids`` (1-D) from slot 0, eagerly (prompt lengths vary); last-layer states (n, H) if asked."""
+    def prefill(self, handle: StaticHandle, ids: torch.Tensor, hidden_states) -> tuple[torch.Tensor, ...] | None:
+        """Cache ``ids`` (1-D) from slot 0, eagerly (prompt lengths vary); the asked layers' states, (n, H) each."""
         self._own(handle)
         n = ids.numel()
         if n + self.buckets[-1] > self.max_len:
             raise SelfspecError(f"the prompt ({n} tokens) does not fit the static cache ({self.max_len})")
         positions = torch.arange(n, device=self.device)[None]
         mask = prefill_mask(n, self.max_len, self.dtype, self.device)
+        layers = state_layers(hidden_states)
         out = self.decoder(input_ids=ids.to(self.device)[None], position_ids=positions, attention_mask=mask,
-                           use_cache=True, **{self.kwarg: self.cache})
-        return out.last_hidden_state[0] if hidden_states else None
+                           use_cache=True, output_hidden_states=any(i != -1 for i in layers), **{self.kwarg: self.cache})
+        states = tuple(out.last_hidden_state if i == -1 else out.hidden_states[i] for i in layers)
+        return tuple(h[0] for h in states) if layers else None
 
     @torch.no_grad()
-    def verify(self, handle: StaticHandle, tree: DraftTree, cache_len: int, hidden_states: bool) -> Verification:
+    def verify(self, handle: StaticHandle, tree: DraftTree, cache_len: int, hidden_states) -> Verification:
         """One pass over root + tree padded to its bucket; nodes land in slots cache_len .. cache_len + n - 1."""
         self._own(handle)
         n = tree.size
@@ -183,9 +186,10 @@ class StaticPass:
         positions[0, :n] += torch.tensor(tree.depth)
         mask = static_mask(ancestor_block(tree.parents, b), cache_len, self.max_len, self.dtype, self.device)
         self.compiled_shapes.add((b, self.max_len))
-        logits, h = self.step(ids.to(self.device), positions.to(self.device), mask)
+        layers = state_layers(hidden_states)
+        logits, states = self.step(ids.to(self.device), positions.to(self.device), mask, layers)
         # clone: a CUDA-graph replay reuses its output buffers at the next call
-        return Verification(logits[0, :n].clone(), (h[0, :n].clone(),) if hidden_states else None)
+        return Verification(logits[0, :n].clone(), tuple(h[0, :n].clone() for h in states) if layers else None)
 
     def keep(self, handle: StaticHandle, start: int, keep: list[int]) -> None:
         """Copy the pass's entries ``keep`` (ascending) into slots ``start..`` and crop to the committed length."""

@@ -16,7 +16,7 @@ import torch
 
 from .kv_cache import cache_length, keep_entries, new_cache
 from .tree import DraftTree
-from .verify import Verification, forward_with_cache, verify_tree
+from .verify import Verification, forward_with_cache, state_layers, verify_tree
 
 BACKENDS = ("eager", "static", "compiled")  # what ``--target-pass`` / ``SpeculativeEngine(backend=...)`` accept
 AUTO_BACKEND_HELP = "compiled on CUDA (CUDA graphs), static on a CPU"
@@ -45,14 +45,15 @@ class EagerPass:
         return new_cache(self.model)
 
     @torch.no_grad()
-    def prefill(self, cache, ids: torch.Tensor, hidden_states: bool) -> torch.Tensor | None:
-        """Cache ``ids`` (1-D, CPU) from position 0; the last layer's states (n, H) if asked."""
+    def prefill(self, cache, ids: torch.Tensor, hidden_states) -> tuple[torch.Tensor, ...] | None:
+        """Cache ``ids`` (1-D, CPU) from position 0; the asked layers' states, (n, H) each (``verify.state_layers``)."""
         x = ids.to(self.device)[None]
+        layers = state_layers(hidden_states)
         out = forward_with_cache(self.model, x, cache, position_ids=torch.arange(x.shape[1], device=self.device)[None],
-                                 hidden_states=hidden_states, logits_to_keep=1)
-        return out.hidden_states[-1][0] if hidden_states else None
+                                 hidden_states=bool(layers), logits_to_keep=1)
+        return tuple(out.hidden_states[i][0] for i in layers) if layers else None
 
-    def verify(self, cache, tree: DraftTree, cache_len: int, hidden_states: bool) -> Verification:
+    def verify(self, cache, tree: DraftTree, cache_len: int, hidden_states) -> Verification:
         """One pass over root + tree, appending every node to ``cache``."""
         return verify_tree(self.model, cache, tree, cache_len, hidden_states=hidden_states)
 

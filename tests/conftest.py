@@ -118,7 +118,8 @@ def make_tokenizer(chat_template: str | None = CHATML):
 
 # --- draft heads on tiny models ---------------------------------------------------------------------
 
-HEADS_HYPER = {"medusa": {}, "eagle": {"draft_vocab_size": 48, "top_k": 3}, "early-exit": {"exit_layer": 1}}
+HEADS_HYPER = {"medusa": {}, "eagle": {"draft_vocab_size": 48, "top_k": 3}, "early-exit": {"exit_layer": 1},
+               "eagle3": {"draft_vocab_size": 48, "top_k": 3}}
 
 
 def perturb(heads: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:

@@ -19,7 +19,9 @@ from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads
 
-HYPER = {"medusa": {"num_layers": 2}, "eagle": {"draft_vocab_size": 40}, "early-exit": {"exit_layer": 1}}
+HYPER = {"medusa": {"num_layers": 2}, "eagle": {"draft_vocab_size": 40}, "early-exit": {"exit_layer": 1},
+         "eagle3": {"draft_vocab_size": 40}}
+COMMITTED = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -245,3 +247,24 @@ def test_export_casts_and_shards_without_the_base(tmp_path: Path) -> None:
     for key, value in heads.state_dict().items():
         want = value.to(torch.bfloat16).to(value.dtype) if value.is_floating_point() else value
         assert torch.equal(loaded.state_dict()[key], want), key
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from selfspec.zoo import load_model
+
+    return load_model("smollm2-135m-instruct", dtype="float32")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("folder", sorted(COMMITTED.glob("smollm2-135m-instruct-*")), ids=lambda p: p.name)
+def test_committed_heads_load_and_draft_plain_greedy(folder: Path, smollm2) -> None:
+    """Every committed SmolLM2 checkpoint (each older family) still loads strictly and drafts losslessly."""
+    model, tokenizer = smollm2
+    heads, drafter = load_heads(model, folder, tokenizer=tokenizer)
+    assert heads.config.family == json.loads((folder / CONFIG_FILE).read_text())["family"]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    cfg = DecodeConfig(max_new_tokens=16)
+    got = SpeculativeEngine(model, drafter, tokenizer).generate(prompt, cfg)
+    assert got.tokens == SpeculativeEngine(model, None, tokenizer).generate(prompt, cfg).tokens

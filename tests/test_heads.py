@@ -157,7 +157,8 @@ def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:
 @pytest.mark.parametrize("family", list(HYPER))
 def test_sampling_with_heads_is_lossless(family: str) -> None:
     target = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
-    hyper = {"medusa": {}, "eagle": {"draft_vocab_size": 6, "top_k": 3}, "early-exit": {"exit_layer": 1}}[family]
+    hyper = {"medusa": {}, "eagle": {"draft_vocab_size": 6, "top_k": 3}, "early-exit": {"exit_layer": 1},
+             "eagle3": {"draft_vocab_size": 6, "top_k": 3}}[family]
     heads = perturb(init_heads(family, target, **hyper), 3, 0.2)
     engine = SpeculativeEngine(target, make_drafter(heads, target))
     assert chi_square_pvalue(draw(engine, 1, n=1000), exact_joint(target)) > ALPHA

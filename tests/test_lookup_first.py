@@ -22,7 +22,7 @@ class Counting(Drafter):
 
     def __init__(self, inner: Drafter) -> None:
         self.inner, self.calls, self.name, self.depths = inner, 0, inner.name, []
-        self.needs_hidden_states = inner.needs_hidden_states
+        self.needs_hidden_states, self.state_layers = inner.needs_hidden_states, inner.state_layers
 
     def start(self, ctx):
         return self.inner.start(ctx)

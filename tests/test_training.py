@@ -50,7 +50,7 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.parametrize("family", ["eagle", "medusa", "early-exit"])
+@pytest.mark.parametrize("family", ["eagle3", "eagle", "medusa", "early-exit"])
 def test_training_lowers_loss_and_freezes_the_base(family: str, chat_file: Path, tmp_path: Path) -> None:
     model, tok = tiny_model(0, vocab=VOCAB, layers=2), make_tokenizer()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -73,10 +73,10 @@ def test_bf16_mixed_precision_runs_the_whole_loss_in_bf16(chat_file: Path, tmp_p
     that fills the feature cache in bf16 too; the loss still falls."""
     from accelerate.state import AcceleratorState
 
+    import selfspec.train.eagle as eagle
     import selfspec.train.loop as loop
-    import selfspec.train.losses as losses
 
-    seen, lm, features, autocast_in_features = [], losses._lm, loop.target_features, []
+    seen, lm, features, autocast_in_features = [], eagle.lm_logits, loop.target_features, []
 
     def spy(*args, **kwargs):
         logits = lm(*args, **kwargs)
@@ -87,7 +87,7 @@ def test_bf16_mixed_precision_runs_the_whole_loss_in_bf16(chat_file: Path, tmp_p
         autocast_in_features.append(torch.is_autocast_enabled("cpu"))
         return features(*args, **kwargs)
 
-    monkeypatch.setattr(losses, "_lm", spy)
+    monkeypatch.setattr(eagle, "lm_logits", spy)
     monkeypatch.setattr(loop, "target_features", features_spy)
     AcceleratorState._reset_state(True)  # a process trains with one precision; this test switches it
     try:
@@ -101,11 +101,12 @@ def test_bf16_mixed_precision_runs_the_whole_loss_in_bf16(chat_file: Path, tmp_p
     assert sum(losses_[-3:]) / 3 < 0.8 * sum(losses_[:3]) / 3
 
 
-def test_resume_reproduces_the_uninterrupted_run(chat_file: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+def test_resume_reproduces_the_uninterrupted_run(family: str, chat_file: Path, tmp_path: Path) -> None:
     tok = make_tokenizer()
-    full = train(_cfg("eagle", chat_file, tmp_path / "full"), tiny_model(0, vocab=VOCAB), tok)
-    train(_cfg("eagle", chat_file, tmp_path / "cut", max_steps=4), tiny_model(0, vocab=VOCAB), tok)  # "killed" at 4
-    resumed = train(_cfg("eagle", chat_file, tmp_path / "cut", resume=True), tiny_model(0, vocab=VOCAB), tok)
+    full = train(_cfg(family, chat_file, tmp_path / "full"), tiny_model(0, vocab=VOCAB), tok)
+    train(_cfg(family, chat_file, tmp_path / "cut", max_steps=4), tiny_model(0, vocab=VOCAB), tok)  # "killed" at 4
+    resumed = train(_cfg(family, chat_file, tmp_path / "cut", resume=True), tiny_model(0, vocab=VOCAB), tok)
     a, b = load_file(str(full / "heads.safetensors")), load_file(str(resumed / "heads.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _losses(tmp_path / "full")[4:] == _losses(tmp_path / "cut")[4:]
@@ -165,7 +166,7 @@ def test_committed_training_configs_parse(path: Path) -> None:
 def test_eagle_unroll_sees_what_drafting_sees():
     """Unrolled step k, row t equals drafting k steps from root t+1 with the head's own cache (real pairs 0..t)."""
     from selfspec.heads import init_heads
-    from selfspec.train.losses import eagle_step, eagle_unroll
+    from selfspec.train.eagle import eagle_step, eagle_unroll
 
     target = tiny_model(3, vocab=VOCAB)
     head = init_heads("eagle", target).eval()

@@ -27,8 +27,8 @@ from ..tree import DraftTree, chain
 class DraftContext:
     """What was committed so far. The target's KV cache holds ``tokens[:-1]``; ``tokens[-1]`` is the root.
 
-    ``hidden_states`` (a 1-tuple: the target's final normed layer, (n, H)) cover the positions the target
-    cached since the last call, ``cache_len - n .. cache_len - 1``; given only to drafters that ask.
+    ``hidden_states`` (one (n, H) tensor per entry of the drafter's ``state_layers``; by default a 1-tuple, the
+    target's final normed layer) cover the positions the target cached since the last call, ``cache_len - n .. cache_len - 1``; given only to drafters that ask.
     """
 
     tokens: torch.Tensor  # (T,) long, on CPU
@@ -63,6 +63,9 @@ class Drafter:
 
     name: str = "drafter"
     needs_hidden_states: bool = False  # the engine then asks the target for hidden states
+    # which of them, as indices into transformers' ``hidden_states`` (0 the embeddings, k the output of layer k,
+    # -1 the final normed layer); the engine keeps only these, in this order
+    state_layers: tuple[int, ...] = (-1,)
 
     def start(self, ctx: DraftContext) -> Any:
         """Fresh per-request state, after the target has prefilled ``ctx.tokens[:-1]``."""

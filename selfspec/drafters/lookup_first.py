@@ -42,7 +42,7 @@ class LookupFirstDrafter(Drafter):
             self.short.name = "prompt-lookup-short"
         self.min_depth = min_depth
         self.name = f"{inner.name}+lookup"
-        self.needs_hidden_states = inner.needs_hidden_states
+        self.needs_hidden_states, self.state_layers = inner.needs_hidden_states, inner.state_layers
 
     def start(self, ctx: DraftContext) -> Any:
         """The wrapped drafter's state (lookup keeps none)."""

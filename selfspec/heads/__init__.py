@@ -1,4 +1,4 @@
-"""Draft heads on a frozen target: Medusa-style, EAGLE-style and early exit, one registry for all three.
+"""Draft heads on a frozen target: EAGLE-3-style, EAGLE-style, Medusa-style and early exit, one registry for all.
 
 Each family is a config dataclass (``config.py``), a module holding only the trained weights, and a
 :class:`~selfspec.drafters.base.Drafter` that joins the module to the target's frozen embeddings,
@@ -18,23 +18,28 @@ from ..drafters.base import Drafter
 from .common import placement
 from .config import HeadConfig, config_class, make_config
 from .eagle import EagleHead
-from .eagle_drafter import EagleDrafter
+from .eagle3 import Eagle3Head
+from .eagle_drafter import Eagle3Drafter, EagleDrafter
 from .early_exit import EarlyExitDrafter, ExitAdapter
 from .medusa import MedusaDrafter, MedusaHeads
 
 
 class Family(NamedTuple):
-    """The module and drafter classes of one head family."""
+    """One head family: its trained module, its drafter, and the module holding its training objective (target
+    states, loss, per-depth predictions; imported when training: see ``selfspec/train/losses.py``). Its config
+    dataclass registers itself by the same name (``config.CONFIGS``)."""
 
     module: type[nn.Module]
     drafter: type[Drafter]
+    objective: str
 
 
-# the strongest drafter first: commands that find several heads for a model list them in this order
+# the registry; the strongest drafter first: commands that find several heads for a model list them in this order
 FAMILIES: dict[str, Family] = {
-    "eagle": Family(EagleHead, EagleDrafter),
-    "medusa": Family(MedusaHeads, MedusaDrafter),
-    "early-exit": Family(ExitAdapter, EarlyExitDrafter),
+    "eagle3": Family(Eagle3Head, Eagle3Drafter, "selfspec.train.eagle3"),
+    "eagle": Family(EagleHead, EagleDrafter, "selfspec.train.eagle"),
+    "medusa": Family(MedusaHeads, MedusaDrafter, "selfspec.train.medusa"),
+    "early-exit": Family(ExitAdapter, EarlyExitDrafter, "selfspec.train.early_exit"),
 }
 
 
@@ -60,4 +65,4 @@ def make_drafter(heads: nn.Module, base_model: nn.Module) -> Drafter:
 
 
 __all__ = ["FAMILIES", "build_heads", "config_class", "init_heads", "make_drafter",
-           "EagleHead", "EagleDrafter", "ExitAdapter", "EarlyExitDrafter", "MedusaHeads", "MedusaDrafter"]
+           "Eagle3Head", "Eagle3Drafter", "EagleHead", "EagleDrafter", "ExitAdapter", "EarlyExitDrafter", "MedusaHeads", "MedusaDrafter"]

@@ -121,8 +121,14 @@ class EarlyExitConfig(FamilyConfig):
         return replace(self, exit_layer=layer)
 
 
-HeadConfig = MedusaConfig | EagleConfig | EarlyExitConfig
+HeadConfig = FamilyConfig  # any registered family's config dataclass
 CONFIGS: dict[str, type] = {c.family: c for c in (MedusaConfig, EagleConfig, EarlyExitConfig)}
+
+
+def register_config(cls: type) -> type:
+    """Class decorator: make a family's config dataclass known by its ``family`` name (a family's own module)."""
+    CONFIGS[cls.family] = cls
+    return cls
 
 
 def config_class(family: str) -> type:

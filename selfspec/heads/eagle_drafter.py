@@ -31,6 +31,7 @@ from torch import nn
 
 from ..adaptive import tree_size_by_cost
 from ..drafters.base import DraftContext, DraftRequest, Drafter
+from ..errors import SelfspecError
 from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
 from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_numel
@@ -154,12 +155,20 @@ class EagleDrafter(Drafter):
         """Queue the features of the positions the target just cached."""
         if ctx.hidden_states is None:
             return state
-        feats = ctx.hidden_states[-1]
+        feats = self._pair_features(ctx.hidden_states)
         state.pending = feats if state.pending is None else torch.cat([state.pending, feats])
         if state.cached + state.pending.shape[0] != ctx.cache_len:
             raise RuntimeError(f"eagle drafter out of step: {state.cached} pairs + {state.pending.shape[0]} "
                                f"queued != {ctx.cache_len} cached by the target")
         return state
+
+    def _pair_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The target's states the engine reported (``state_layers``) -> (n, F) features to queue."""
+        return hidden_states[-1]
+
+    def _fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """Queued target features -> the head's feature input (the same here; EAGLE-3 fuses three layers)."""
+        return feats
 
     def _add_context(self, state: EagleState, tokens: list[int]) -> None:
         """Let this sequence draft the given context tokens that the reduced vocabulary lacks."""
@@ -198,7 +207,7 @@ class EagleDrafter(Drafter):
         m, start = state.pending.shape[0], state.cached
         tokens = ctx.tokens[start + 1:start + m + 1].tolist()  # x_{t+1} for each queued pair t; the last is the root
         self._add_context(state, tokens)
-        out = self._run(state.pending.to(self.dtype), tokens, list(range(start, start + m)), state.cache)
+        out = self._run(self._fuse(state.pending.to(self.dtype)), tokens, list(range(start, start + m)), state.cache)
         state.cached, state.pending, state.root_feature = start + m, None, out[-1]
 
     def _top(self, state: EagleState, feats: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -256,3 +265,43 @@ class EagleDrafter(Drafter):
     def kv_bytes_per_token(self) -> int:
         """The head's one-layer KV cache."""
         return kv_bytes_per_token(self.head.decoder.config, self.dtype)
+
+
+class Eagle3Drafter(EagleDrafter):
+    """EAGLE-2 dynamic trees from an :class:`~selfspec.heads.eagle3.Eagle3Head`: it reads three of the target's
+    layers (fused by its ``fc``) and drafts over its own LM head's draft vocabulary (no context rows: its LM head
+    is trained, not the target's)."""
+
+    name = "eagle3"
+
+    def __init__(self, target: nn.Module, head: nn.Module, top_k: int | None = None) -> None:
+        self.target = target
+        self.head = head.eval()
+        self.top_k = top_k or head.config.top_k
+        self.embed = target.get_input_embeddings()
+        self.state_layers = tuple(head.config.aux_layers)
+        self.d2t = head.draft_ids().cpu()
+        self.reduced = False  # nothing to add: tokens outside the draft vocabulary are never proposed
+        self.dtype = model_dtype(self.head)
+        pack_linears(self.head)  # fc, attention, MLP and the LM head on oneDNN's layout on a CPU
+
+    def _pair_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if len(hidden_states) != len(self.state_layers):
+            raise SelfspecError(f"the eagle3 drafter reads the target's layers {list(self.state_layers)} but was given "
+                                f"{len(hidden_states)} state tensor(s): a drafter wrapping it must pass on its "
+                                "state_layers")
+        return torch.cat(hidden_states, dim=-1)
+
+    def _fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.head.fuse(feats)
+
+    def _log_probs(self, state: EagleState, feats: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(feats).float().log_softmax(-1)
+
+    def extra_parameters(self) -> int:
+        """The head's trained parameters (its LM head included)."""
+        return weight_numel(self.head)
+
+    def kv_bytes_per_token(self) -> int:
+        """The midlayer's KV cache."""
+        return kv_bytes_per_token(self.head.layer_config, self.dtype)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SelfspecError
+from ..heads import FAMILIES
 from ..zoo import DEFAULT_MODEL
 
 
@@ -22,7 +23,7 @@ class TrainConfig:
     """One head-training run."""
 
     base_model: str = DEFAULT_MODEL  # zoo name, hub id or folder; loaded frozen
-    family: str = "eagle"  # medusa | eagle | early-exit
+    family: str = "eagle"  # a registered head family: eagle3 | eagle | medusa | early-exit
     head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
     init_from: str = ""  # a heads folder to continue from (same family and shapes), e.g. a shorter run's
     recount_draft_vocab: bool = False  # EAGLE with --init-from: choose the draft vocabulary again from this run's data
@@ -47,13 +48,13 @@ class TrainConfig:
     resume: bool = False
     medusa_decay: float = 0.8  # loss weight of Medusa head k is decay**k
     eagle_token_weight: float = 0.1  # EAGLE: feature regression + this * token cross-entropy
-    eagle_unroll: int = 3  # EAGLE: drafting steps unrolled in training (training-time test)
-    eagle_unroll_decay: float = 0.8  # EAGLE: loss weight of unrolled step k is decay**(k-1)
+    eagle_unroll: int = 3  # EAGLE, EAGLE-3: drafting steps unrolled in training (training-time test)
+    eagle_unroll_decay: float = 0.8  # EAGLE, EAGLE-3: loss weight of unrolled step k is decay**(k-1)
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all epochs)
 
     def __post_init__(self) -> None:
-        if self.family not in ("medusa", "eagle", "early-exit"):
-            raise SelfspecError(f"unknown head family '{self.family}'; choose medusa, eagle or early-exit")
+        if self.family not in FAMILIES:
+            raise SelfspecError(f"unknown head family '{self.family}'; choose one of {', '.join(FAMILIES)}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise SelfspecError("mixed_precision must be no, bf16 or fp16")
         if self.eagle_unroll < 1:

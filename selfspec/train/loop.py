@@ -32,7 +32,7 @@ from ..zoo import load_model
 from .card import model_card
 from .config import TrainConfig, config_dict
 from .features import FeatureCache, TokenDataset, build_feature_cache, pad_batch, tokenize_all
-from .losses import depth_accuracy, feature_keys, head_loss, inner, target_features
+from .losses import depth_accuracy, feature_keys, feature_settings, head_loss, prepare_heads, target_features
 
 
 def load_examples(cfg: TrainConfig, tokenizer, split: str, limit: int) -> list[dict[str, torch.Tensor]]:
@@ -59,16 +59,6 @@ def with_features(batch: dict[str, torch.Tensor], cfg: TrainConfig, target, head
     if all(k in batch for k in feature_keys(cfg.family)):
         return batch
     return {**batch, **target_features(cfg.family, target, heads, batch["input_ids"], batch["attention_mask"])}
-
-
-def set_draft_vocab(heads, examples: list[dict[str, torch.Tensor]], vocab: int) -> None:
-    """EAGLE with a reduced draft vocabulary: keep the most frequent assistant tokens of the training data."""
-    if heads.config.family != "eagle" or heads.d2t.numel() >= vocab:
-        return
-    counts = torch.zeros(vocab)
-    for ex in examples:
-        counts.index_add_(0, ex["input_ids"][ex["loss_mask"].bool()], torch.ones(int(ex["loss_mask"].sum())))
-    heads.set_draft_vocab(counts)
 
 
 EVAL_DEPTH = 4
@@ -160,8 +150,7 @@ def training_set(cfg: TrainConfig, accelerator, target, heads, examples: list[di
     with accelerator.main_process_first():
         # what the states depend on (not the family: medusa and eagle read the same ones)
         signature = {"base": cfg.base_model, "data": cfg.data, "max_examples": cfg.max_examples,
-                     "max_length": cfg.max_length, "heldout_fraction": cfg.heldout_fraction,
-                     "exit_layer": getattr(inner(heads).config, "exit_layer", None)}
+                     "max_length": cfg.max_length, "heldout_fraction": cfg.heldout_fraction, **feature_settings(heads)}
 
         def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
             with accelerator.autocast():  # the uncached path's precision (bf16 on AMX: 1.7x faster)
@@ -288,7 +277,7 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
     eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
     if not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
-        set_draft_vocab(heads, train_ex, target.get_output_embeddings().out_features)
+        prepare_heads(cfg.family, heads, target, train_ex)
     run = prepare(cfg, accelerator, heads, training_set(cfg, accelerator, target, heads, train_ex, out), eval_ex)
     step = resume(cfg, accelerator, out)
     if accelerator.is_main_process:

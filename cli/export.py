@@ -1,0 +1,41 @@
+"""selfspec export HEADS OUT --format vllm|sglang|speculators: eagle3 heads as the EAGLE-3 drafter a serving
+engine loads (config.json + model.safetensors). No weights of the base model are read, only its config.
+
+    selfspec export runs/smollm2-eagle3/heads exported/smollm2-eagle3 --format vllm
+    vllm serve smollm2-135m-instruct-folder --speculative-config \\
+        '{"method": "eagle3", "model": "exported/smollm2-eagle3", "num_speculative_tokens": 3}'
+
+``--format speculators`` writes the speculators layout, which ``vllm serve OUT`` serves alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from selfspec.dtypes import DTYPES
+from selfspec.options import heads_folder, positive_int
+
+HELP = "write eagle3 heads in the layout vLLM, SGLang or speculators load"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The heads folder, the output folder, the format and what the config needs."""
+    from selfspec.checkpoint.serving import FORMATS
+
+    p.add_argument("folder", type=heads_folder, help="a selfspec heads folder of the eagle3 family")
+    p.add_argument("out", help="the folder to write (config.json, model.safetensors)")
+    p.add_argument("--format", choices=FORMATS, default="vllm")
+    p.add_argument("--base", default=None, help="the base model (default: the one the heads folder names)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=3,
+                   help="the speculators format's proposal length (default 3)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export and say where."""
+    from selfspec.checkpoint.serving import export_for_serving
+
+    out = export_for_serving(args.folder, args.out, args.format, base=args.base,
+                             num_speculative_tokens=args.num_speculative_tokens, dtype=DTYPES[args.dtype])
+    print(f"wrote {out}/config.json and {out}/model.safetensors ({args.format})")
+    return 0

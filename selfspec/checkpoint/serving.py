@@ -1,0 +1,135 @@
+"""Heads in the layouts serving engines load: vLLM's and SGLang's EAGLE-3 drafter, and the speculators format.
+
+    export_for_serving(heads_folder, out, "vllm" | "sglang" | "speculators", num_speculative_tokens=3)
+
+writes ``out/config.json`` and ``out/model.safetensors``. Only the ``eagle3`` family has a place there: its
+tensors already carry the EAGLE-3 names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` as target id
+minus draft id, ``t2d``), so the export is a copy (cast to ``dtype``), checked against the names and shapes
+those engines' EAGLE-3 model classes declare (``expected_tensors``: their loaders drop unexpected tensors and
+leave missing ones uninitialised without an error, so the check has to be here). The configs differ:
+
+    vllm         a Llama config, ``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``,
+                 ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids`` as indices into
+                 ``hidden_states`` (vLLM captures the input of layer k: what selfspec's ``aux_layers`` mean)
+    sglang       the same layout, the layer ids one less (SGLang and SpecForge capture after layer k)
+    speculators  ``speculators_model_type: eagle3``, the layer config under ``transformer_layer_config``,
+                 ``norm_before_residual: false`` written out (the format's default is true), the verifier
+                 and a greedy proposal of ``num_speculative_tokens``; ``vllm serve OUT`` alone serves it
+
+Other families refuse with one line: the ``eagle`` family's input norms (``feature_norm``, ``embed_norm``) and
+its own decoder layer's norms have no place in these layouts; Medusa's layout is not written yet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..errors import SelfspecError
+from .format import check_heads_folder, read_tensors
+
+FORMATS = ("vllm", "sglang", "speculators")
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def expected_tensors(layer: dict[str, Any], vocab_size: int, num_aux: int = 3) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of an EAGLE-3 drafter checkpoint for a Llama layer config ``layer`` (as a dict), before
+    the engines stack q/k/v and gate/up: what vLLM's ``Eagle3LlamaForCausalLM`` and SGLang's
+    ``LlamaForCausalLMEagle3`` read (the token embedding is the target's, shared)."""
+    h, inter = layer["hidden_size"], layer["intermediate_size"]
+    heads, kv = layer["num_attention_heads"], layer["num_key_value_heads"]
+    dim = layer.get("head_dim") or h // heads
+    vd = layer["draft_vocab_size"]
+    attn, mlp = "midlayer.self_attn.", "midlayer.mlp."
+    return {
+        "fc.weight": (h, num_aux * h),
+        attn + "q_proj.weight": (heads * dim, 2 * h), attn + "k_proj.weight": (kv * dim, 2 * h),
+        attn + "v_proj.weight": (kv * dim, 2 * h), attn + "o_proj.weight": (h, heads * dim),
+        mlp + "gate_proj.weight": (inter, h), mlp + "up_proj.weight": (inter, h), mlp + "down_proj.weight": (h, inter),
+        "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,), "lm_head.weight": (vd, h), "d2t": (vd,), "t2d": (vocab_size,),
+    }
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """One error naming every missing, unexpected or misshapen tensor."""
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    shapes = [f"{k} {tuple(tensors[k].shape)} != {expected[k]}" for k in sorted(set(tensors) & set(expected))
+              if tuple(tensors[k].shape) != expected[k]]
+    if missing or unexpected or shapes:
+        raise SelfspecError(f"these tensors do not form an EAGLE-3 drafter: missing {missing}, unexpected "
+                            f"{unexpected}, shapes {shapes}")
+
+
+def _layer_dict(meta: dict[str, Any], base: str | None) -> tuple[dict[str, Any], int, str]:
+    """The midlayer's Llama config as a dict, the target's vocabulary size, the base's name."""
+    from ..heads.config import config_from_dict
+    from ..heads.eagle3 import layer_config
+    from ..zoo import load_config
+
+    name = base or meta["base"].get("name_or_path")
+    if not name:
+        raise SelfspecError("the heads folder does not name its base model: pass base= (a zoo name, folder or hub id)")
+    target_config = load_config(name)
+    config = config_from_dict("eagle3", meta["config"])
+    layer = layer_config(target_config, config).to_dict()
+    layer["draft_vocab_size"] = config.draft_vocab_size
+    vocab = target_config.get_text_config().vocab_size
+    return layer, vocab, name
+
+
+def _engine_config(layer: dict[str, Any], aux: list[int], vocab: int, fmt: str, base: str, tokens: int,
+                   dtype: torch.dtype) -> dict[str, Any]:
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
+            "mlp_bias", "draft_vocab_size")
+    core = {k: layer[k] for k in keep if layer.get(k) is not None}
+    rope = core.get("rope_parameters") or {}
+    if "rope_theta" in rope:  # older readers (SGLang, transformers < 5) look for the flat key
+        core["rope_theta"] = rope["rope_theta"]
+    core.update(model_type="llama", num_hidden_layers=1, vocab_size=vocab, tie_word_embeddings=False,
+                target_hidden_size=layer["hidden_size"], torch_dtype=str(dtype).removeprefix("torch."))
+    if fmt == "speculators":
+        return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                "transformer_layer_config": {**core, "architectures": ["LlamaForCausalLM"]},
+                "draft_vocab_size": core["draft_vocab_size"], "target_hidden_size": core["hidden_size"],
+                "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": aux,
+                "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens}],
+                                       "verifier": {"name_or_path": base, "architectures": []}}}
+    ids = aux if fmt == "vllm" else [i - 1 for i in aux]
+    return {**core, "architectures": [ARCHITECTURE], "eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
+
+
+def export_for_serving(folder: str | Path, out: str | Path, fmt: str = "vllm", base: str | None = None,
+                       num_speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the eagle3 heads in ``folder`` as an EAGLE-3 drafter ``fmt`` loads; returns ``out``."""
+    if fmt not in FORMATS:
+        raise SelfspecError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
+    meta = check_heads_folder(folder)
+    family = meta["family"]
+    if family != "eagle3":
+        why = {"eagle": "its input norms (feature_norm, embed_norm) and its layer's own norms have no place in "
+                        "EAGLE-3's layout; train an eagle3 head to serve it there",
+               "medusa": "the Medusa layout is not written yet"}.get(family, "only eagle3 heads have a layout there")
+        raise SelfspecError(f"{family} heads cannot be exported to {fmt}: {why}")
+    layer, vocab, name = _layer_dict(meta, base)
+    aux = list(meta["config"]["aux_layers"])
+    tensors = read_tensors(folder)
+    check_tensors(tensors, expected_tensors(layer, vocab, len(aux)))
+    if fmt == "sglang" and min(aux) < 1:
+        raise SelfspecError(f"aux layers {aux} include the embeddings, which SGLang cannot capture")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cast = {k: v.to(dtype) if v.is_floating_point() else v.contiguous() for k, v in tensors.items()}
+    save_file(cast, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = _engine_config(layer, aux, vocab, fmt, name, num_speculative_tokens, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -1,0 +1,98 @@
+"""What an EAGLE-3-style head learns: training-time test over its own unrolled drafts, soft labels from the target.
+
+Batch notation as in ``losses.py``, plus ``aux`` (B, T, 3H): the target's states after the head's three
+``aux_layers``, concatenated. Step 1 feeds the real pairs (fc(aux_t), x_{t+1}); step k feeds step k-1's
+outputs h with x_{t+k} at position t + k - 1, through one KV cache holding all earlier steps (each row sees the
+real pairs before its root and its own chain: the cache a depth-k draft sees). Step k's row t is scored against
+the target's next-token distribution at position t + k restricted to the draft vocabulary (soft cross-entropy,
+reported as KL: less the target's entropy);
+positions whose next token lies outside the draft vocabulary are masked. Step k weighs ``decay**(k-1)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .objective import draft_vocab_counts, inner, lm_logits, unroll_mask
+
+FEATURES = ("f", "aux")
+SETTINGS = ("aux_layers",)  # config fields the cached states depend on
+
+
+@torch.no_grad()
+def features(target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """``f`` (final normed states, for the soft labels) and ``aux`` (the three fused layers' states, concatenated)."""
+    out = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i] for i in inner(heads).config.aux_layers], dim=-1)
+    return {"f": out.last_hidden_state, "aux": aux}
+
+
+def eagle3_unroll(head: nn.Module, target: nn.Module, aux: torch.Tensor, x: torch.Tensor, steps: int
+                  ) -> list[torch.Tensor]:
+    """Outputs h of ``steps`` drafting steps; ``out[k-1][:, t]`` predicts x[:, t + k + 1] (via ``logits``)."""
+    n = aux.shape[1] - 1
+    tokens = F.pad(x, (0, steps))  # x[:, t + k] for every row t; rows past the end are masked from the loss
+    embed = target.get_input_embeddings()
+    cache, feats, out = inner(head).new_cache(), aux[:, :-1], []
+    for k in range(1, steps + 1):
+        mask = None if k == 1 else unroll_mask(n, k, aux.dtype, aux.device).expand(aux.shape[0], -1, -1, -1)
+        pos = torch.arange(k - 1, k - 1 + n, device=aux.device)[None].expand(aux.shape[0], -1)
+        embeds = embed(tokens[:, k:k + n]).to(aux.dtype)
+        feats = head(feats, embeds, pos, cache=cache, attention_mask=mask, fuse=k == 1)
+        out.append(feats)
+    return out
+
+
+def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    """``eagle3_loss`` with the run's settings (``eagle_unroll`` steps, ``eagle_unroll_decay``)."""
+    return eagle3_loss(head, target, batch, cfg.eagle_unroll, cfg.eagle_unroll_decay)
+
+
+def eagle3_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], steps: int, decay: float
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Soft cross-entropy of every unrolled step against the target's draft-vocabulary distribution, less the
+    target's own entropy (the same gradients; a loss that can reach 0: KL(target || draft))."""
+    x, m, f, aux = batch["input_ids"], batch["loss_mask"].bool(), batch["f"], batch["aux"]
+    h = inner(head)
+    draft_ids, t2d = h.draft_ids(), h.t2d
+    nxt = F.pad(x[:, 1:], (0, 1), value=int(draft_ids[0]))  # nxt[:, p]: the token after position p
+    m = m & t2d[nxt]  # the target's next token must be draftable
+    with torch.no_grad():  # soft labels at every loss position, once for all steps
+        teacher_logp = F.log_softmax(lm_logits(target, f[m].float(), draft_ids).float(), -1)
+        teacher = teacher_logp.exp()
+    position = torch.arange(f.shape[1], device=f.device).expand_as(m)[m]  # of each teacher row
+    total, logs = f.new_zeros(()), {}
+    for k, pred in enumerate(eagle3_unroll(head, target, aux, x, steps), start=1):
+        n = pred.shape[1] - (k - 1)  # rows t with t + k inside the sequence
+        if n <= 0:
+            break
+        keep = m[:, k:k + n]  # step k's row t guesses position t + k's next token
+        if not keep.any():
+            continue
+        logp = F.log_softmax(h.logits(pred[:, :n][keep]).float(), -1)
+        rows = position >= k
+        kl = (teacher[rows] * (teacher_logp[rows] - logp)).sum(-1).mean()  # soft cross-entropy - teacher entropy
+        total = total + decay ** (k - 1) * kl
+        logs[f"kl{k}"] = kl.item()
+    return total, logs
+
+
+@torch.no_grad()
+def predictions(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], depth: int
+                       ) -> list[torch.Tensor]:
+    """Target token ids each unrolled step drafts (greedy): ``out[d-1][:, t]`` guesses the token at t + d + 1."""
+    h = inner(head)
+    ids = h.draft_ids()
+    return [ids[h.logits(pred).argmax(-1)] for pred in eagle3_unroll(head, target, batch["aux"], batch["input_ids"], depth)]
+
+
+def prepare(heads: nn.Module, target: nn.Module, examples: list[dict[str, torch.Tensor]]) -> None:
+    """The draft vocabulary (the most frequent assistant tokens of the data; all of a small vocabulary), then the
+    LM head and final norm started from the target's own rows and norm."""
+    vocab = target.get_output_embeddings().out_features
+    if heads.d2t.numel() < vocab:
+        heads.set_draft_vocab(draft_vocab_counts(examples, vocab))
+    heads.init_lm_head(target)

@@ -1,0 +1,45 @@
+"""What an early-exit adapter learns: the exit state (first L layers + final norm + adapter) predicts x_{t+1}.
+
+KL divergence to the target's own next-token distribution there, on assistant positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..heads.early_exit import truncated_decoder
+from .objective import final_states, inner, lm_logits
+
+FEATURES = ("f", "exit")
+SETTINGS = ("exit_layer",)  # config fields the cached states depend on
+
+
+@torch.no_grad()
+def features(target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """``f`` and ``exit``: the first ``exit_layer`` layers' state under the final norm."""
+    cut = truncated_decoder(target, inner(heads).config.exit_layer)
+    exit_states = cut(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return {**final_states(target, heads, input_ids, attention_mask), "exit": exit_states}
+
+
+def loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg=None
+         ) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL(target || exit) of the next-token distributions on assistant positions."""
+    m, f, e = batch["loss_mask"].bool(), batch["f"], batch["exit"]
+    keep = torch.zeros_like(m)
+    keep[:, :-1] = m[:, 1:]  # position t predicts token t+1
+    logp = F.log_softmax(lm_logits(target, adapter(e[keep])).float(), -1)
+    with torch.no_grad():
+        teacher = F.log_softmax(lm_logits(target, f[keep]).float(), -1)
+    kl = F.kl_div(logp, teacher, log_target=True, reduction="batchmean")
+    return kl, {"kl": kl.item()}
+
+
+@torch.no_grad()
+def predictions(heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], depth: int
+                ) -> list[torch.Tensor]:
+    """Depth 1 only, aligned as the other families': ``out[0][:, t]`` (the exit at t + 1) guesses the token at t + 2."""
+    return [lm_logits(target, heads(batch["exit"])).argmax(-1)[:, 1:]]

@@ -1,0 +1,89 @@
+"""Exporting eagle3 heads to the layouts serving engines load: names, shapes, dtypes, d2t, the fused layer ids per
+engine (tiny models of several depths), and a clear refusal for families that have no place there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import perturb, tiny_model
+from selfspec.checkpoint import save_heads
+from selfspec.checkpoint.serving import expected_tensors, export_for_serving
+from selfspec.errors import SelfspecError
+from selfspec.heads import init_heads
+
+
+def saved(tmp_path: Path, family: str, layers: int, **hyper) -> tuple[Path, torch.nn.Module, torch.nn.Module]:
+    """A tiny base saved as a model folder and heads of ``family`` saved beside it (naming that folder)."""
+    model = tiny_model(0, layers=layers)
+    base = tmp_path / f"base-{layers}"
+    model.save_pretrained(base)
+    heads = perturb(init_heads(family, model, **hyper), 1, 0.1)
+    folder = tmp_path / f"heads-{family}-{layers}"
+    save_heads(heads, model, folder, base_name=str(base))
+    return folder, heads, model
+
+
+@pytest.mark.parametrize("layers", [4, 6, 9])
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_eagle3_export_round_trip(tmp_path: Path, layers: int, fmt: str) -> None:
+    folder, heads, model = saved(tmp_path, "eagle3", layers, draft_vocab_size=40)
+    counts = torch.arange(64, dtype=torch.float).flip(0)  # token 0 the most frequent ... 39 the 40th
+    counts[[5, 50]] = counts[[50, 5]]
+    heads.set_draft_vocab(counts)  # a vocabulary with a gap: d2t is not all zeros
+    save_heads(heads, model, folder, base_name=str(tmp_path / f"base-{layers}"))
+    out = export_for_serving(folder, tmp_path / f"out-{fmt}", fmt)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    state = heads.state_dict()
+    assert tensors.keys() == state.keys()
+    for name, tensor in tensors.items():
+        want = state[name]
+        assert tensor.dtype == (torch.bfloat16 if want.is_floating_point() else want.dtype), name
+        assert torch.equal(tensor, want.to(tensor.dtype)), name
+    assert (tensors["d2t"] + torch.arange(40)).tolist() == heads.draft_ids().tolist()
+    assert 50 in heads.draft_ids().tolist() and int(tensors["t2d"].sum()) == 40 and tensors["t2d"][50]
+    aux = heads.config.aux_layers
+    assert aux == [2, layers // 2, layers - 3]
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
+        assert config["eagle_aux_hidden_state_layer_ids"] == aux
+        layer = config["transformer_layer_config"]
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        ids = aux if fmt == "vllm" else [i - 1 for i in aux]  # SGLang counts from the layer's output
+        assert config["eagle_aux_hidden_state_layer_ids"] == ids
+        layer = config
+    assert layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 64 and layer["draft_vocab_size"] == 40
+    assert layer["target_hidden_size"] == model.config.hidden_size
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected_tensors(layer, 64)
+
+
+@pytest.mark.parametrize("family", ["eagle", "medusa", "early-exit"])
+def test_families_without_a_layout_are_refused(tmp_path: Path, family: str) -> None:
+    folder, _, _ = saved(tmp_path, family, 4, **({"exit_layer": 1} if family == "early-exit" else {}))
+    with pytest.raises(SelfspecError, match=f"{family} heads cannot be exported to vllm"):
+        export_for_serving(folder, tmp_path / "out", "vllm")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tensor_out_of_place_is_caught(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder, heads, _ = saved(tmp_path, "eagle3", 4)
+    tensors = {k: v.contiguous() for k, v in heads.state_dict().items()}
+    tensors["midlayer.extra_bias"] = torch.zeros(3)
+    del tensors["norm.weight"]
+    save_file(tensors, str(folder / "heads.safetensors"))
+    with pytest.raises(SelfspecError, match="missing"):
+        export_for_serving(folder, tmp_path / "out", "vllm")
+
+
+def test_unknown_format(tmp_path: Path) -> None:
+    folder, _, _ = saved(tmp_path, "eagle3", 4)
+    with pytest.raises(SelfspecError, match="unknown export format"):
+        export_for_serving(folder, tmp_path / "out", "onnx")
