@@ -36,7 +36,7 @@ from selfspec.zoo import load_model, resolve
 from . import report as report_mod
 from .budgets import budget_table, measured_added, predicted_added
 from .divergences import check_outputs, failure_message, real_divergences, verdicts
-from .methods import BASE_METHODS, VLLM_METHODS, Method, build_methods, heads_folders
+from .methods import BASE_METHODS, VLLM_METHODS, Method, build_methods, heads_folders, is_vllm
 from .metrics import summarize
 from .prompts import load_bench_prompts
 from .vllm_client import WorkerConfig, missing_environment
@@ -62,7 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", help="comma-separated, in order (default: every available one of "
                    f"{', '.join(BASE_METHODS)}, eagle, medusa, early-exit, {', '.join(VLLM_METHODS)} (after "
                    "`make vllm-env`)); a head method with "
-                   "'+lookup' (e.g. eagle+lookup) drafts by prompt lookup first where the context repeats itself")
+                   "'+lookup' (e.g. eagle+lookup) drafts by prompt lookup first where the context repeats itself; "
+                   "'vllm+' and an eagle3 head method (e.g. vllm+eagle3) runs vLLM with those heads exported")
+    p.add_argument("--vllm-spec-tokens", type=positive_int, default=3,
+                   help="chain length vLLM drafts with exported heads (vllm+<heads>; vLLM drafts no trees)")
     p.add_argument("--prompts", default="code,chat",
                    help="comma-separated sources: chat (ShareGPT held-out), code (HumanEval), or jsonl/json files "
                         "with 'prompt' records or MT-bench questions (question_id, category, turns)")
@@ -194,12 +197,12 @@ def budget_speeds(rows: list[dict], methods: list[Method], target, tokenizer, ar
 
 def without_missing_vllm(names: list[str]) -> list[str]:
     """``names`` less vLLM's methods when its environment is missing, said in one line."""
-    asked = [n for n in names if n in VLLM_METHODS]
+    asked = [n for n in names if is_vllm(n)]
     reason = missing_environment() if asked else None
     if reason is None:
         return names
     print(f"skipping {', '.join(asked)}: {reason}", flush=True)
-    return [n for n in names if n not in VLLM_METHODS]
+    return [n for n in names if not is_vllm(n)]
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -215,7 +218,8 @@ def bench(args: argparse.Namespace) -> dict:
         m for m in BASE_METHODS if draft is not None or m not in ("hf-assisted", "draft-model")] + list(heads)
     names = without_missing_vllm(names + ([] if args.methods else list(VLLM_METHODS)))
     vllm = WorkerConfig(resolve(args.model), dtype_name(dtype), torch.get_num_threads(), log_dir=str(out))
-    methods = build_methods(names, target, tok, draft, heads, args.draft_vocab, lookup=not args.no_lookup, vllm=vllm)
+    methods = build_methods(names, target, tok, draft, heads, args.draft_vocab, lookup=not args.no_lookup, vllm=vllm,
+                            vllm_spec_tokens=args.vllm_spec_tokens)
     dense = linear_modules(target)  # transformers' methods keep running on the dense weights the pass packs
     shared = make_target_pass(target, args.target_pass)
     for m in methods:

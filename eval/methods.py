@@ -9,6 +9,8 @@
     <head>+lookup  the same heads, with prompt lookup first where the context repeats itself
     vllm           vLLM in its own environment and process (``vllm_client.py``)
     vllm-ngram     vLLM with its n-gram (prompt lookup) speculative decoding
+    vllm+<heads>   vLLM drafting with a model's eagle3 heads, exported to vLLM's EAGLE-3 layout (chains of
+                   --vllm-spec-tokens; vLLM drafts no trees)
 """
 
 from __future__ import annotations
@@ -108,15 +110,21 @@ def heads_folders(model_name: str, extra: list[str], search_path: list[str]) -> 
     return out
 
 
+def is_vllm(name: str) -> bool:
+    """Whether method ``name`` runs in vLLM's environment."""
+    return name in VLLM_METHODS or name.startswith("vllm+")
+
+
 def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Module | None,
                   heads: dict[str, str], draft_vocab: int = 0, lookup: bool = True,
-                  vllm: WorkerConfig | None = None) -> list[Method]:
+                  vllm: WorkerConfig | None = None, vllm_spec_tokens: int = 3) -> list[Method]:
     """The requested methods, in order; one-line errors for a method that lacks what it needs.
 
     ``draft_vocab`` > 0: selfspec's draft-model drafts over that many frequent token ids only.
     ``lookup``: selfspec's draft-model drafts by prompt lookup where the context repeats itself
     (a head method asks for it by name: ``eagle+lookup``).
-    ``vllm``: the model and dtype vLLM's methods load (their workers start on the first request).
+    ``vllm``: the model and dtype vLLM's methods load (their workers start on the first request);
+    ``vllm_spec_tokens``: the chain length of ``vllm+<heads>``.
     """
     out = []
     vocab = target.get_output_embeddings().out_features
@@ -137,6 +145,9 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
             out.append(Method(name, "selfspec", PromptLookupDrafter()))
         elif name in VLLM_METHODS:
             out.append(Method(name, "vllm", client=vllm_client(name, vllm)))
+        elif name.startswith("vllm+") and name[5:] in heads:
+            out.append(Method(name, "vllm", heads_dir=heads[name[5:]],
+                              client=vllm_heads_client(name, heads[name[5:]], vllm, vllm_spec_tokens)))
         elif name.removesuffix("+lookup") in heads:
             folder = heads[name.removesuffix("+lookup")]
             drafter = load_heads(target, folder, tokenizer=tokenizer)[1]
@@ -144,7 +155,8 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
                 drafter = LookupFirstDrafter(drafter)
             out.append(Method(name, "selfspec", drafter, heads_dir=folder))
         else:
-            known = ", ".join([*BASE_METHODS, *VLLM_METHODS, *heads, *(f"{h}+lookup" for h in heads)]) or "-"
+            known = ", ".join([*BASE_METHODS, *VLLM_METHODS, *heads, *(f"{h}+lookup" for h in heads),
+                               *(f"vllm+{h}" for h in heads)]) or "-"
             raise SelfspecError(f"unknown or unavailable method '{name}' (available: {known}); "
                                 "head methods need the model's heads on --heads-path or --heads FOLDER")
     return out
@@ -157,3 +169,19 @@ def vllm_client(name: str, config: WorkerConfig | None) -> VllmClient:
     if config is None:
         raise SelfspecError(f"method {name} needs the model folder and dtype for vLLM")
     return VllmClient(replace(config, speculative=VLLM_METHODS[name]), name)
+
+
+def vllm_heads_client(name: str, folder: str, config: WorkerConfig | None, tokens: int) -> VllmClient:
+    """A worker drafting with the heads in ``folder``, exported for vLLM beside the bench's logs."""
+    import tempfile
+
+    from selfspec.checkpoint.serving import export_for_serving
+
+    from .vllm_client import VllmClient
+
+    if config is None:
+        raise SelfspecError(f"method {name} needs the model folder and dtype for vLLM")
+    where = Path(config.log_dir or tempfile.mkdtemp(prefix="selfspec-vllm-")) / f"export-{name[5:]}"
+    exported = export_for_serving(folder, where, "vllm", base=config.model)
+    spec = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": tokens}
+    return VllmClient(replace(config, speculative=spec), name)

@@ -47,6 +47,13 @@ def missing_environment() -> str | None:
     return f"no vLLM environment at {python}; run `make vllm-env` (or set {PYTHON_ENV})"
 
 
+def depth_counts(drafts: int, accepted_per_pos: list[int]) -> tuple[list[int], list[int]]:
+    """vLLM's chain counters as selfspec's (reached, accepted) per depth: a draft reaches depth d + 1 when its
+    positions 0..d-1 were all accepted (vLLM accepts a prefix, so that is the count at position d - 1)."""
+    reached = [drafts, *accepted_per_pos[:-1]]
+    return reached, [int(a) for a in accepted_per_pos]
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a worker loads: the model folder, its dtype (a torch dtype's name), its speculative config."""
@@ -109,7 +116,11 @@ class VllmClient:
         if "error" in reply:
             raise SelfspecError(f"{self.name}: the vLLM worker could not generate: {reply['error']}")
         try:
-            return Run([int(t) for t in reply["tokens"]], float(reply["seconds"]))
+            run = Run([int(t) for t in reply["tokens"]], float(reply["seconds"]))
+            if "drafts" in reply:  # speculative: vLLM's acceptance in selfspec's terms (per depth, conditional)
+                run.reached_depth, run.accepted_at_depth = depth_counts(int(reply["drafts"]), reply["accepted_per_pos"])
+                run.tau = 1 + sum(run.accepted_at_depth) / run.reached_depth[0] if run.reached_depth[0] else None
+            return run
         except (KeyError, TypeError, ValueError):
             raise self._fail(f"answered {json.dumps(reply)[:200]}, not tokens and seconds") from None
 

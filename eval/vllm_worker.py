@@ -5,7 +5,9 @@ vLLM pins an older transformers than selfspec, so it lives in its own environmen
 
     stdout, once loaded: {"ready": true, "vllm": "0.32.0"}
     stdin  {"ids": [prompt token ids], "max_new_tokens": n}
-    stdout {"tokens": [new ids, up to and including EOS], "seconds": wall time of the generate call}
+    stdout {"tokens": [new ids, up to and including EOS], "seconds": wall time of the generate call,
+            "drafts": n, "accepted_per_pos": [...]}  (speculative configs: vLLM's own counters for this request:
+            drafts made, and how many of them had draft position i accepted)
            or {"error": "one line"} for a request it could not serve
 
 EOF on stdin ends it. Everything else it or vLLM prints goes to stderr: the protocol keeps a private
@@ -85,27 +87,45 @@ def load(args: argparse.Namespace):
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     return LLM(model=args.model, dtype=args.dtype, enforce_eager=not args.compile, speculative_config=spec,
-               max_model_len=args.max_model_len, seed=0)
+               max_model_len=args.max_model_len, seed=0, disable_log_stats=spec is None)
 
 
-def generate(llm, ids: list[int], max_new: int) -> dict:
-    """Greedy new tokens for ``ids`` (EOS included when reached) and the wall time of the call."""
+def spec_counters(llm) -> tuple[int, list[int]]:
+    """vLLM's cumulative speculative-decoding counters: drafts, and accepted drafts per position."""
+    drafts, per_pos = 0, []
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            drafts = int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            per_pos = [int(v) for v in metric.values]
+    return drafts, per_pos
+
+
+def generate(llm, ids: list[int], max_new: int, speculative: bool = False) -> dict:
+    """Greedy new tokens for ``ids`` (EOS included when reached), the wall time of the call and, for a
+    speculative config, this request's draft counters."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=max_new, detokenize=False)
+    before = spec_counters(llm) if speculative else None
     start = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return {"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds}
+    reply = {"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds}
+    if speculative:
+        drafts, per_pos = spec_counters(llm)
+        old = before[1] + [0] * (len(per_pos) - len(before[1]))
+        reply.update(drafts=drafts - before[0], accepted_per_pos=[a - b for a, b in zip(per_pos, old)])
+    return reply
 
 
-def serve(llm, requests: IO[str], replies: IO[str]) -> None:
+def serve(llm, requests: IO[str], replies: IO[str], speculative: bool = False) -> None:
     """Answer one JSON line per request line until EOF."""
     for line in requests:
         try:
             req = json.loads(line)
-            reply = generate(llm, [int(t) for t in req["ids"]], int(req["max_new_tokens"]))
+            reply = generate(llm, [int(t) for t in req["ids"]], int(req["max_new_tokens"]), speculative)
         except Exception as exc:  # a bad request (too long a prompt, say) is answered, not fatal
             reply = {"error": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"}
         replies.write(json.dumps(reply) + "\n")
@@ -123,7 +143,7 @@ def main() -> None:
 
     llm = load(args)
     replies.write(json.dumps({"ready": True, "vllm": vllm.__version__}) + "\n")
-    serve(llm, sys.stdin, replies)
+    serve(llm, sys.stdin, replies, speculative=bool(args.speculative_config))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,10 @@ for line in sys.stdin:
     if model == "garbled":
         print("INFO 12-02 vLLM is ready", flush=True)
         continue
-    print(json.dumps({{"tokens": req["ids"][::-1][:req["max_new_tokens"]], "seconds": 0.25}}), flush=True)
+    reply = {{"tokens": req["ids"][::-1][:req["max_new_tokens"]], "seconds": 0.25}}
+    if "--speculative-config" in argv and "eagle3" in argv[argv.index("--speculative-config") + 1]:
+        reply.update(drafts=4, accepted_per_pos=[3, 2, 1])
+    print(json.dumps(reply), flush=True)
 """
 
 
@@ -111,3 +114,27 @@ def test_worker_imports_nothing_from_selfspec():
     modules |= {n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
     assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))
     assert not {m for m in modules if m.split(".")[0] in ("selfspec", "selfspec_eval", "torch", "transformers")}
+
+
+def test_vllm_with_exported_heads(fake_python, monkeypatch, tmp_path):
+    """``vllm+eagle3``: the heads exported beside the logs, the worker drafting with them, vLLM's per-position
+    counters read as selfspec's per-depth acceptance."""
+    from selfspec.checkpoint import save_heads
+    from selfspec.heads import init_heads
+
+    monkeypatch.setenv(PYTHON_ENV, str(fake_python))
+    target = tiny_model(0, vocab=64, layers=4)
+    target.save_pretrained(tmp_path / "base")
+    save_heads(init_heads("eagle3", target), target, tmp_path / "heads", base_name=str(tmp_path / "base"))
+    config = WorkerConfig(str(tmp_path / "base"), log_dir=str(tmp_path / "logs"))
+    (method,) = build_methods(["vllm+eagle3"], target, None, None, {"eagle3": str(tmp_path / "heads")},
+                              vllm=config, vllm_spec_tokens=4)
+    spec = method.client.config.speculative
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "logs" / "export-eagle3"), "num_speculative_tokens": 4}
+    assert (tmp_path / "logs" / "export-eagle3" / "model.safetensors").is_file()
+    run = method.run(target, [3, 4, 5], 2, 4, 8)
+    method.close()
+    assert run.tokens == [5, 4] and run.reached_depth == [4, 3, 2] and run.accepted_at_depth == [3, 2, 1]
+    assert run.tau == 2.5  # 1 + 6 accepted tokens / 4 drafts
+    with pytest.raises(SelfspecError, match="vllm\\+eagle3"):
+        build_methods(["vllm+medusa"], target, None, None, {"eagle3": str(tmp_path / "heads")}, vllm=config)
