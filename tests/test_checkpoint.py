@@ -257,9 +257,12 @@ def smollm2():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("folder", sorted(COMMITTED.glob("smollm2-135m-instruct-*")), ids=lambda p: p.name)
+@pytest.mark.parametrize("folder", [*sorted(COMMITTED.glob("smollm2-135m-instruct-*")),
+                                    *sorted((COMMITTED / "experimental").glob("smollm2-135m-instruct-*"))],
+                         ids=lambda p: p.name)
 def test_committed_heads_load_and_draft_plain_greedy(folder: Path, smollm2) -> None:
-    """Every committed SmolLM2 checkpoint (each older family) still loads strictly and drafts losslessly."""
+    """Every committed SmolLM2 checkpoint (each older family, the experimental eagle3 one) still loads strictly
+    and drafts losslessly."""
     model, tokenizer = smollm2
     heads, drafter = load_heads(model, folder, tokenizer=tokenizer)
     assert heads.config.family == json.loads((folder / CONFIG_FILE).read_text())["family"]
