@@ -68,15 +68,16 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[in
 
 
 def _layer_dict(meta: dict[str, Any], base: str | None) -> tuple[dict[str, Any], int, str]:
-    """The midlayer's Llama config as a dict, the target's vocabulary size, the base's name."""
+    """The midlayer's Llama config as a dict, the target's vocabulary size, the base's folder or hub id."""
     from ..heads.config import config_from_dict
     from ..heads.eagle3 import layer_config
-    from ..zoo import load_config
+    from ..zoo import load_config, resolve
 
     name = base or meta["base"].get("name_or_path")
     if not name:
         raise SelfspecError("the heads folder does not name its base model: pass base= (a zoo name, folder or hub id)")
     target_config = load_config(name)
+    name = resolve(name)  # a zoo name becomes its local folder: what an engine can load
     config = config_from_dict("eagle3", meta["config"])
     layer = layer_config(target_config, config).to_dict()
     layer["draft_vocab_size"] = config.draft_vocab_size
