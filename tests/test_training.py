@@ -112,17 +112,27 @@ def test_resume_reproduces_the_uninterrupted_run(family: str, chat_file: Path, t
     assert _losses(tmp_path / "full")[4:] == _losses(tmp_path / "cut")[4:]
 
 
-def test_init_from_continues_from_a_heads_folder(chat_file: Path, tmp_path: Path) -> None:
-    """A continued run starts at the given heads (lr 0 leaves them exactly there) and keeps their draft vocabulary."""
+@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+def test_init_from_continues_from_a_heads_folder(family: str, chat_file: Path, tmp_path: Path) -> None:
+    """A continued run starts at the given heads (lr 0 leaves them exactly there) and keeps their draft vocabulary;
+    in bf16 too (the loaded heads' drafter packs their linears)."""
     tok = make_tokenizer()
-    first = train(_cfg("eagle", chat_file, tmp_path / "a", head_args={"draft_vocab_size": 200}),
+    first = train(_cfg(family, chat_file, tmp_path / "a", head_args={"draft_vocab_size": 200}),
                   tiny_model(0, vocab=VOCAB), tok)
-    again = train(_cfg("eagle", chat_file, tmp_path / "b", head_args={"draft_vocab_size": 200}, init_from=str(first),
-                       learning_rate=0.0, epochs=1), tiny_model(0, vocab=VOCAB), tok)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # a process trains with one precision; this continued run uses bf16
+    try:
+        again = train(_cfg(family, chat_file, tmp_path / "b", head_args={"draft_vocab_size": 200},
+                           init_from=str(first), learning_rate=0.0, epochs=1, mixed_precision="bf16"),
+                      tiny_model(0, vocab=VOCAB).to(torch.bfloat16), tok)
+    finally:
+        AcceleratorState._reset_state(True)
     a, b = load_file(str(first / "heads.safetensors")), load_file(str(again / "heads.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in a.items()}  # loaded onto a bf16 base
+    assert a.keys() == b.keys() and all(torch.equal(bf16[k], b[k].to(bf16[k].dtype)) for k in a)
     with pytest.raises(SelfspecError, match="does not fit"):
-        train(_cfg("eagle", chat_file, tmp_path / "c", init_from=str(first)), tiny_model(0, vocab=VOCAB), tok)
+        train(_cfg(family, chat_file, tmp_path / "c", init_from=str(first)), tiny_model(0, vocab=VOCAB), tok)
 
 
 def test_a_continued_run_keeps_or_recounts_its_draft_vocabulary(chat_file: Path, tmp_path: Path) -> None:

@@ -135,8 +135,10 @@ def starting_heads(cfg: TrainConfig, target, tokenizer) -> torch.nn.Module:
     start, _ = load_heads(target, cfg.init_from, tokenizer=tokenizer)
     if start.config.family != cfg.family:
         raise SelfspecError(f"--init-from {cfg.init_from} holds {start.config.family} heads, not {cfg.family}")
+    # the drafter may have packed the loaded module's linears (oneDNN, opaque to .float()): its state dict is dense
+    state = {k: v.float() if v.is_floating_point() else v for k, v in start.state_dict().items()}
     try:
-        heads.load_state_dict(start.float().state_dict(), strict=True)
+        heads.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise SelfspecError(f"--init-from {cfg.init_from} does not fit --head-arg {cfg.head_args}: "
                             f"{str(exc).splitlines()[-1].strip()}") from exc
