@@ -197,3 +197,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def tree_path(tree, node: int) -> list[int]:
+    """The drafted tokens from the root's child down to ``node`` of a DraftTree (root excluded)."""
+    out = []
+    while node > 0:
+        out.append(int(tree.tokens[node]))
+        node = tree.parents[node]
+    return out[::-1]

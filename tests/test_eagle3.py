@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, perturb, prompt_for, tiny_model
+from conftest import tree_path, hf_greedy, perturb, prompt_for, tiny_model
 from selfspec.drafters.base import DraftContext, DraftRequest
 from selfspec.engine import DecodeConfig, SpeculativeEngine, prefill
 from selfspec.errors import SelfspecError
@@ -15,7 +15,7 @@ from selfspec.heads import init_heads, make_drafter
 from selfspec.heads.eagle3 import default_aux_layers
 from selfspec.sampling import SamplingConfig
 from selfspec.target_pass import make_target_pass
-from selfspec.tree import DraftTree, chain
+from selfspec.tree import chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,14 +108,6 @@ def test_unroll_sees_what_drafting_sees() -> None:
                         out = head(out, embed(x[b:b + 1, t + k + 1:t + k + 2]), torch.tensor([[t + k]]), cache)
 
 
-def _path(tree: DraftTree, node: int) -> list[int]:
-    out = []
-    while node > 0:
-        out.append(int(tree.tokens[node]))
-        node = tree.parents[node]
-    return out[::-1]
-
-
 @pytest.mark.parametrize("seed", range(2))
 def test_tree_equals_uncached_recomputation(seed: int) -> None:
     """Every node's children are the head's top-k after recomputing its whole path from scratch, no cache."""
@@ -134,7 +126,7 @@ def test_tree_equals_uncached_recomputation(seed: int) -> None:
             if not tree.children[node]:
                 continue
             feats, toks = real, prompt[1:]
-            for tok in [None, *_path(tree, node)]:  # grow the sequence with the head's own outputs
+            for tok in [None, *tree_path(tree, node)]:  # grow the sequence with the head's own outputs
                 if tok is not None:
                     feats, toks = torch.cat([feats, out[None]]), toks + [tok]
                 embeds = model.get_input_embeddings()(torch.tensor(toks))

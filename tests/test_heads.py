@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import (ALPHA, HEADS_HYPER as HYPER, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy,
+from conftest import (tree_path, ALPHA, HEADS_HYPER as HYPER, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy,
                       perturb, prompt_for, tiny_model)
 from selfspec.drafters.base import DraftContext, DraftRequest
 from selfspec.engine import DecodeConfig, SpeculativeEngine, prefill
@@ -17,7 +17,6 @@ from selfspec.heads.early_exit import truncated_decoder
 from selfspec.heads.medusa import rank_tree
 from selfspec.packed_linear import is_packed, pack_linears
 from selfspec.sampling import SamplingConfig
-from selfspec.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,14 +97,6 @@ def test_rank_tree_prunes_to_limits() -> None:
     assert parents == [-1, 0, 1] and labels[1:] == [(1, 2), (2, 1)]
 
 
-def _path(tree: DraftTree, node: int) -> list[int]:
-    out = []
-    while node > 0:
-        out.append(int(tree.tokens[node]))
-        node = tree.parents[node]
-    return out[::-1]
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_eagle_tree_equals_uncached_recomputation(seed: int) -> None:
     """Every node's children are the head's top-k after recomputing its whole path from scratch, no cache."""
@@ -123,7 +114,7 @@ def test_eagle_tree_equals_uncached_recomputation(seed: int) -> None:
         for node in range(tree.size):
             if not tree.children[node]:
                 continue
-            drafted = _path(tree, node)
+            drafted = tree_path(tree, node)
             feats, toks = real, prompt[1:]
             for tok in [None, *drafted]:  # grow the sequence with the head's own predicted features
                 if tok is not None:

@@ -79,11 +79,11 @@ class EagleConfig(FamilyConfig):
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
-            raise SelfspecError(f"eagle top_k must be >= 1, got {self.top_k}")
+            raise SelfspecError(f"{self.family} top_k must be >= 1, got {self.top_k}")
         for name in ("intermediate_size", "draft_vocab_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise SelfspecError(f"eagle {name} must be >= 1, got {value}")
+                raise SelfspecError(f"{self.family} {name} must be >= 1, got {value}")
 
     def resolved(self, target_config: PretrainedConfig) -> EagleConfig:
         """Fill in the MLP width and draft vocabulary from the target's config."""

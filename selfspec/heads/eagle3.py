@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from ..errors import SelfspecError
 from .common import text_config
-from .config import FamilyConfig, register_config
+from .config import EagleConfig, register_config
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -39,26 +39,20 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 @register_config
 @dataclass
-class Eagle3Config(FamilyConfig):
+class Eagle3Config(EagleConfig):
     """EAGLE-3: ``aux_layers`` fused by ``fc``, one Llama layer, a final norm and an LM head over the draft vocabulary.
 
     ``intermediate_size`` None: the target's; ``draft_vocab_size`` None: all of a vocabulary up to 32768 tokens,
-    else 32768; ``aux_layers`` None: (2, N//2, N-3); ``top_k``: the EAGLE-2 tree's expansion width.
+    else 32768; ``aux_layers`` None: (2, N//2, N-3); ``top_k``: the EAGLE-2 tree's expansion width. Checked as
+    EAGLE's fields are.
     """
 
     family: ClassVar[str] = "eagle3"
-    intermediate_size: int | None = None
-    draft_vocab_size: int | None = None
     aux_layers: list[int] | None = None
-    top_k: int = 4
 
-    def __post_init__(self) -> None:
-        if self.top_k < 1:
-            raise SelfspecError(f"eagle3 top_k must be >= 1, got {self.top_k}")
-        for name in ("intermediate_size", "draft_vocab_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise SelfspecError(f"eagle3 {name} must be >= 1, got {value}")
+    def copied_parameters(self, vocab_size: int, hidden_size: int) -> int:
+        """None: the LM head over the draft vocabulary is the head's own, trained and counted with it."""
+        return 0
 
     def resolved(self, target_config: PretrainedConfig) -> Eagle3Config:
         """Fill in the MLP width, draft vocabulary and fused layers from the target's config."""

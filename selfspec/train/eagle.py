@@ -20,26 +20,28 @@ features = final_states
 
 
 def eagle_step(head: nn.Module, target: nn.Module, feats: torch.Tensor, next_tokens: torch.Tensor, start: int,
-               attention_mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+               attention_mask: torch.Tensor | None, cache=None, **head_kwargs) -> torch.Tensor:
     """One pass of the head over pairs (feats[:, j], next_tokens[:, j]) at positions start + j -> predicted features."""
     embeds = target.get_input_embeddings()(next_tokens).to(feats.dtype)
     pos = torch.arange(start, start + feats.shape[1], device=feats.device)[None].expand(feats.shape[0], -1)
-    return head(feats, embeds, pos, cache=cache, attention_mask=attention_mask)
+    return head(feats, embeds, pos, cache=cache, attention_mask=attention_mask, **head_kwargs)
 
 
-def eagle_unroll(head: nn.Module, target: nn.Module, f: torch.Tensor, x: torch.Tensor, steps: int
-                 ) -> list[torch.Tensor]:
+def eagle_unroll(head: nn.Module, target: nn.Module, f: torch.Tensor, x: torch.Tensor, steps: int,
+                 fuse_first: bool = False) -> list[torch.Tensor]:
     """Predicted features of ``steps`` drafting steps; ``out[k-1][:, t]`` guesses f[:, t + k] (x[:, t + k + 1] under the LM head).
 
     Step 1 reads the real pairs (f_t, x_{t+1}); step k reads (step k-1's output, x_{t+k}) at position
-    t + k - 1 through one KV cache holding all earlier steps.
+    t + k - 1 through one KV cache holding all earlier steps. ``fuse_first``: ``f`` holds the target states the
+    head fuses itself (EAGLE-3), so step 1 asks it to (``fuse=True``).
     """
     n = f.shape[1] - 1
     tokens = F.pad(x, (0, steps))  # x[:, t + k] for every row t; rows past the end are masked from the loss
     cache, feats, out = inner(head).new_cache(), f[:, :-1], []
     for k in range(1, steps + 1):
         mask = None if k == 1 else unroll_mask(n, k, feats.dtype, f.device).expand(f.shape[0], -1, -1, -1)
-        feats = eagle_step(head, target, feats, tokens[:, k:k + n], k - 1, mask, cache)
+        fuse = {"fuse": True} if fuse_first and k == 1 else {}
+        feats = eagle_step(head, target, feats, tokens[:, k:k + n], k - 1, mask, cache, **fuse)
         out.append(feats)
     return out
 

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .objective import draft_vocab_counts, inner, lm_logits, unroll_mask
+from .eagle import eagle_unroll
+from .objective import draft_vocab_counts, inner, lm_logits
 
 FEATURES = ("f", "aux")
 SETTINGS = ("aux_layers",)  # config fields the cached states depend on
@@ -32,18 +33,9 @@ def features(target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
 
 def eagle3_unroll(head: nn.Module, target: nn.Module, aux: torch.Tensor, x: torch.Tensor, steps: int
                   ) -> list[torch.Tensor]:
-    """Outputs h of ``steps`` drafting steps; ``out[k-1][:, t]`` predicts x[:, t + k + 1] (via ``logits``)."""
-    n = aux.shape[1] - 1
-    tokens = F.pad(x, (0, steps))  # x[:, t + k] for every row t; rows past the end are masked from the loss
-    embed = target.get_input_embeddings()
-    cache, feats, out = inner(head).new_cache(), aux[:, :-1], []
-    for k in range(1, steps + 1):
-        mask = None if k == 1 else unroll_mask(n, k, aux.dtype, aux.device).expand(aux.shape[0], -1, -1, -1)
-        pos = torch.arange(k - 1, k - 1 + n, device=aux.device)[None].expand(aux.shape[0], -1)
-        embeds = embed(tokens[:, k:k + n]).to(aux.dtype)
-        feats = head(feats, embeds, pos, cache=cache, attention_mask=mask, fuse=k == 1)
-        out.append(feats)
-    return out
+    """Outputs h of ``steps`` drafting steps; ``out[k-1][:, t]`` predicts x[:, t + k + 1] (via ``logits``): EAGLE's
+    unrolling, step 1 fusing the target's states."""
+    return eagle_unroll(head, target, aux, x, steps, fuse_first=True)
 
 
 def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, float]]:
