@@ -100,6 +100,22 @@ def run_one(method: Method, target, ids: list[int], args: argparse.Namespace) ->
     return {**vars(run), "prompt_tokens": len(ids), "prompt_ids": list(ids)}  # ids: the divergence check
 
 
+def precompile(methods: list[Method], tokenizer, prompts, args: argparse.Namespace) -> None:
+    """On a compiled target pass, build every graph the questions' first turns will use before timing any:
+    per set of states the methods' drafters read, every tree-size bucket they may draft (plain: the root)."""
+    selfspec = [m for m in methods if m.kind == "selfspec"]
+    shared = selfspec[0].target_pass if selfspec else None
+    if not getattr(shared, "compiled", False):
+        return
+    longest = max(len(apply_chat_template(tokenizer, q.messages([]))) for q in prompts) + args.max_new_tokens
+    nodes: dict[tuple, int] = {}
+    for m in selfspec:
+        layers = m.drafter.state_layers if m.drafter is not None and m.drafter.needs_hidden_states else ()
+        nodes[layers] = max(nodes.get(layers, 1), 1 if m.drafter is None else args.max_nodes)
+    seconds = sum(shared.precompile(longest, n, layers) for layers, n in nodes.items())
+    print(f"compiled the target pass's graphs in {seconds:.0f} s", flush=True)
+
+
 def run_questions(methods: list[Method], target, tokenizer, prompts, args: argparse.Namespace, log: Path) -> None:
     """Every question x method not yet in ``log``; later turns follow each method's own earlier answers."""
     from tqdm.auto import tqdm
@@ -110,6 +126,7 @@ def run_questions(methods: list[Method], target, tokenizer, prompts, args: argpa
             done[(r["prompt"], r["method"])] = r
     for m in methods:  # warm-up: kernels, allocator, lazy inits
         m.run(target, apply_chat_template(tokenizer, prompts[0].messages([]))[:16], 4, args.max_depth, args.max_nodes)
+    precompile(methods, tokenizer, prompts, args)
     total = sum(len(p.turns) for p in prompts) * len(methods)
     bar = tqdm(total=total, desc="bench", unit="run")
     answers = {m.name: {} for m in methods}

@@ -10,6 +10,8 @@ graphs (one per tree-size bucket) that serve every step, and CUDA graphs can rep
               a padding node sees only its own slot and its logits are dropped
     weights   on a CPU, uncompiled: every linear but the LM head packed into oneDNN's blocked layout
               (``selfspec/packed_linear.py``; memory-neutral, 1.3-1.6x faster passes on this project's CPU)
+    attention grouped-query attention without copying K/V, over the slots a pass can see
+              (``selfspec/attention.py``); uncompiled, the mask (and so the K/V read) is cut to cache_len + b
     keep      the accepted path is copied into the slots after the root and the cache is cropped back
               (``crop``), so stale slots past the committed length are never seen: the mask hides them
               until the next pass overwrites them
@@ -22,15 +24,17 @@ recorded as CUDA graphs ("reduce-overhead"). Inductor keeps what it compiled on 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 from transformers import StaticCache
 
+from .attention import static_attention
 from .errors import SelfspecError
 from .packed_linear import is_packed, pack_linears, unpack_linears
 from .paths import selfspec_home
-from .tree import DraftTree
+from .tree import DraftTree, chain
 from .verify import Verification, cache_kwarg, state_layers
 
 BUCKETS = (1, 4, 8, 16, 32, 64)  # tree sizes (root included) a pass is padded to; one compiled graph each
@@ -56,19 +60,20 @@ def ancestor_block(parents: list[int], bucket: int) -> torch.Tensor:
     return own
 
 
-def static_mask(block: torch.Tensor, cache_len: int, max_len: int, dtype: torch.dtype,
+def static_mask(block: torch.Tensor, cache_len: int, width: int, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
-    """Additive mask (1, 1, b, max_len): every row sees slots < cache_len and, at cache_len.., its ``block`` row."""
+    """Additive mask (1, 1, b, width): every row sees slots < cache_len and, at cache_len.., its ``block`` row;
+    slots from ``width`` on are not attended at all (``selfspec/attention.py`` cuts K/V to the mask)."""
     b = block.shape[0]
-    mask = torch.full((b, max_len), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask = torch.full((b, width), torch.finfo(dtype).min, dtype=dtype, device=device)
     mask[:, :cache_len] = 0
     mask[:, cache_len:cache_len + b].masked_fill_(block.to(device), 0)
     return mask[None, None]
 
 
-def prefill_mask(n: int, max_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Causal additive mask (1, 1, n, max_len) for ``n`` tokens written from slot 0."""
-    return static_mask(torch.ones(n, n, dtype=torch.bool).tril(), 0, max_len, dtype, device)
+def prefill_mask(n: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Causal additive mask (1, 1, n, width) for ``n`` tokens written from slot 0."""
+    return static_mask(torch.ones(n, n, dtype=torch.bool).tril(), 0, width, dtype, device)
 
 
 @dataclass
@@ -97,6 +102,7 @@ class StaticPass:
         elif pack:
             pack_linears(model)
         self.packed = is_packed(model)
+        self.compiled = compile
         self.name = "compiled" if compile else "static"
         self.buckets = tuple(sorted(buckets))
         self.device = next(model.parameters()).device
@@ -165,10 +171,12 @@ class StaticPass:
         if n + self.buckets[-1] > self.max_len:
             raise SelfspecError(f"the prompt ({n} tokens) does not fit the static cache ({self.max_len})")
         positions = torch.arange(n, device=self.device)[None]
-        mask = prefill_mask(n, self.max_len, self.dtype, self.device)
         layers = state_layers(hidden_states)
-        out = self.decoder(input_ids=ids.to(self.device)[None], position_ids=positions, attention_mask=mask,
-                           use_cache=True, output_hidden_states=any(i != -1 for i in layers), **{self.kwarg: self.cache})
+        with static_attention(self.model) as cut:  # eager: attend over the n slots written
+            mask = prefill_mask(n, n if cut else self.max_len, self.dtype, self.device)
+            out = self.decoder(input_ids=ids.to(self.device)[None], position_ids=positions, attention_mask=mask,
+                               use_cache=True, output_hidden_states=any(i != -1 for i in layers),
+                               **{self.kwarg: self.cache})
         states = tuple(out.last_hidden_state if i == -1 else out.hidden_states[i] for i in layers)
         return tuple(h[0] for h in states) if layers else None
 
@@ -184,12 +192,29 @@ class StaticPass:
         ids[0, :n] = tree.tokens
         positions = torch.full((1, b), cache_len, dtype=torch.long)
         positions[0, :n] += torch.tensor(tree.depth)
-        mask = static_mask(ancestor_block(tree.parents, b), cache_len, self.max_len, self.dtype, self.device)
         self.compiled_shapes.add((b, self.max_len))
         layers = state_layers(hidden_states)
-        logits, states = self.step(ids.to(self.device), positions.to(self.device), mask, layers)
+        with static_attention(self.model) as cut:
+            # compiled graphs have fixed shapes (every slot); uncompiled, the pass reads only the slots it can see
+            width = cache_len + b if cut and not self.compiled else self.max_len
+            mask = static_mask(ancestor_block(tree.parents, b), cache_len, width, self.dtype, self.device)
+            logits, states = self.step(ids.to(self.device), positions.to(self.device), mask, layers)
         # clone: a CUDA-graph replay reuses its output buffers at the next call
         return Verification(logits[0, :n].clone(), tuple(h[0, :n].clone() for h in states) if layers else None)
+
+    def precompile(self, max_len: int, max_nodes: int, hidden_states=()) -> float:
+        """Build, up front, the graphs a request of at most ``max_len`` positions drafting trees of at most
+        ``max_nodes`` nodes will use (every bucket up to the one holding ``max_nodes``, asking for the states
+        ``hidden_states``), so that no compiling lands inside a timed request. Seconds spent (0 uncompiled)."""
+        if not self.compiled:
+            return 0.0
+        start = time.perf_counter()
+        handle = self.new_cache(max_len)
+        self.prefill(handle, torch.zeros(1, dtype=torch.long), False)
+        for b in self.buckets[:self.buckets.index(bucket_for(max_nodes, self.buckets)) + 1]:
+            self.verify(handle, chain(0, [0] * (b - 1)), 1, hidden_states)
+            self.keep(handle, 1, [])
+        return time.perf_counter() - start
 
     def keep(self, handle: StaticHandle, start: int, keep: list[int]) -> None:
         """Copy the pass's entries ``keep`` (ascending) into slots ``start..`` and crop to the committed length."""

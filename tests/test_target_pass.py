@@ -115,6 +115,19 @@ def test_a_newer_request_invalidates_an_older_ones_cache(model) -> None:
     assert stats.new_tokens == 1
 
 
+def test_precompile_builds_the_graphs_a_request_then_uses(model, passes) -> None:
+    """The bench's warm-up: after ``precompile`` a request of that size and tree budget compiles nothing new."""
+    compiled = passes["compiled"]
+    assert passes["static"].precompile(64, 12) == 0.0  # nothing to build uncompiled
+    assert compiled.precompile(64, 12, ()) > 0
+    built = set(compiled.compiled_shapes)
+    assert {b for b, _ in built} >= {1, 4, 8, 16}
+    drafter = OracleTreeDrafter(_prompt(2, 9) + hf_greedy(model, _prompt(2, 9), 40), vocab=64, seed=2)
+    cfg = DecodeConfig(max_new_tokens=40, max_depth=5, max_nodes=12, adaptive=False)
+    SpeculativeEngine(model, drafter, backend=compiled).generate(_prompt(2, 9), cfg)
+    assert compiled.compiled_shapes == built
+
+
 def test_buckets_and_the_padded_mask() -> None:
     assert [bucket_for(n, (1, 4, 16)) for n in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
     with pytest.raises(SelfspecError, match="largest static bucket"):
