@@ -112,6 +112,29 @@ def test_resume_reproduces_the_uninterrupted_run(family: str, chat_file: Path, t
     assert _losses(tmp_path / "full")[4:] == _losses(tmp_path / "cut")[4:]
 
 
+def test_an_exit_adapter_layer_trains_and_resumes_exactly(chat_file: Path, tmp_path: Path) -> None:
+    """Kangaroo-style early exit: the loss falls with the base frozen, a resumed run ends where the uninterrupted
+    one does, and the checkpoint drafts losslessly."""
+    tok, args = make_tokenizer(), {"exit_layer": 1, "adapter": "layer"}
+    model = tiny_model(0, vocab=VOCAB, layers=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    full = train(_cfg("early-exit", chat_file, tmp_path / "full", head_args=args, epochs=4), model, tok)
+    losses = _losses(tmp_path / "full")
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    train(_cfg("early-exit", chat_file, tmp_path / "cut", head_args=args, epochs=4, max_steps=4),
+          tiny_model(0, vocab=VOCAB, layers=2), tok)
+    resumed = train(_cfg("early-exit", chat_file, tmp_path / "cut", head_args=args, epochs=4, resume=True),
+                    tiny_model(0, vocab=VOCAB, layers=2), tok)
+    a, b = load_file(str(full / "heads.safetensors")), load_file(str(resumed / "heads.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.startswith("decoder.layers.0.") for k in a)
+    _, drafter = load_heads(model, full, tokenizer=tok)
+    prompt = tok.encode("say it 3 abc def")
+    got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=24, adaptive=False))
+    assert got.tokens == hf_greedy(model, prompt, 24)
+
+
 @pytest.mark.parametrize("family", ["eagle", "eagle3"])
 def test_init_from_continues_from_a_heads_folder(family: str, chat_file: Path, tmp_path: Path) -> None:
     """A continued run starts at the given heads (lr 0 leaves them exactly there) and keeps their draft vocabulary;

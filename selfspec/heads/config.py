@@ -102,23 +102,42 @@ class EagleConfig(FamilyConfig):
 
 @dataclass
 class EarlyExitConfig(FamilyConfig):
-    """Draft with the target's first ``exit_layer`` layers, its final norm and LM head (shared, not copied).
+    """Draft with the target's first ``exit_layer`` layers (shared, not copied), an exit adapter, the final
+    norm's output and the target's LM head.
 
-    ``exit_projection``: a zero-initialised residual projection before the LM head (the only trained
-    weights). ``exit_layer`` None: a quarter of the target's layers (LayerSkip's choice for drafting).
+    ``adapter``: what is trained between the exit and the LM head.
+      "projection"  a zero-initialised residual projection ``h + W h`` (``exit_projection`` False: nothing)
+      "layer"       one decoder layer of the target's own class over the exit states (Kangaroo's adapter): it
+                    attends over the exit states of the sequence so far; its MLP is ``adapter_intermediate_size``
+                    wide (None: the hidden size); its output projections start at zero, so an untrained
+                    adapter drafts what the plain exit drafts
+    ``exit_layer`` None: a quarter of the target's layers (LayerSkip's choice for drafting).
     """
 
     family: ClassVar[str] = "early-exit"
     exit_layer: int | None = None
     exit_projection: bool = True
+    adapter: str = "projection"
+    adapter_intermediate_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.adapter not in EXIT_ADAPTERS:
+            raise SelfspecError(f"early-exit adapter must be one of {', '.join(EXIT_ADAPTERS)}, got '{self.adapter}'")
+        if self.adapter_intermediate_size is not None and self.adapter_intermediate_size < 1:
+            raise SelfspecError(f"early-exit adapter_intermediate_size must be >= 1, got {self.adapter_intermediate_size}")
 
     def resolved(self, target_config: PretrainedConfig) -> EarlyExitConfig:
-        """Fill in and check the exit layer against the target's depth."""
-        n = text_config(target_config).num_hidden_layers
+        """Fill in and check the exit layer against the target's depth, and the adapter layer's width."""
+        tc = text_config(target_config)
+        n = tc.num_hidden_layers
         layer = self.exit_layer if self.exit_layer is not None else max(1, n // 4)
         if not 1 <= layer <= n:
             raise SelfspecError(f"early-exit exit_layer must lie in [1, {n}] for this target, got {layer}")
-        return replace(self, exit_layer=layer)
+        width = self.adapter_intermediate_size or (tc.hidden_size if self.adapter == "layer" else None)
+        return replace(self, exit_layer=layer, adapter_intermediate_size=width)
+
+
+EXIT_ADAPTERS = ("projection", "layer")
 
 
 HeadConfig = FamilyConfig  # any registered family's config dataclass

@@ -1,22 +1,32 @@
-"""Early-exit drafting (LayerSkip-style): the target's first L layers, its final norm and LM head draft a chain.
+"""Early-exit drafting (LayerSkip-style): the target's first L layers, an exit adapter and the LM head draft a chain.
 
 The truncated model is the target's own base-model class built with ``num_hidden_layers = L`` on
 the meta device, then given the target's own submodules by name (its first L layers, embeddings, norm):
-everything is shared, nothing is copied, and no modeling code is repeated. The only trained weights are an optional exit
-projection ``h + W h`` (W zero-initialised) between the final norm and the LM head.
+everything is shared, nothing is copied, and no modeling code is repeated. Its output is the state after
+layer L under the target's final norm (the *exit state*). The trained part, the exit adapter, sits between
+the exit state and the target's LM head:
+
+    projection   ``h + W h`` per position (W zero-initialised)
+    layer        one decoder layer of the target's own class (Kangaroo's adapter), built like the EAGLE
+                 head's (``AutoModel.from_config``, 1 layer, no embeddings, no final norm): it attends over the
+                 exit states of the sequence so far, so it keeps its own one-layer KV cache; its attention and
+                 MLP output projections start at zero (an untrained adapter is the plain exit)
 
 KV cache. The target's cache layers 0 .. L-1 already hold exactly what the truncated model needs for
-the committed prefix. The engine hands its cache to drafters (``ctx.target_cache``), so the drafter
-drafts straight into a view of those L layer objects and crops them back to the committed length
-afterwards: zero extra KV memory. Used outside the engine without a target cache, the drafter keeps
-its own L-layer cache and re-feeds what was committed since its last draft.
+the committed prefix. With the projection adapter, the engine's eager pass hands its cache to drafters
+(``ctx.target_cache``), so the drafter drafts straight into a view of those L layer objects and crops
+them back to the committed length afterwards: zero extra KV memory. Otherwise (the static pass, a layer
+adapter whose cache must see every exit state, or no target cache) the drafter keeps its own L-layer
+cache (+ the adapter's) and re-feeds what was committed since its last draft: L/N of the target's KV.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
-from transformers import DynamicCache, PretrainedConfig
+from transformers import AutoModel, DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache
 
 from ..drafters.base import DraftContext, DraftRequest, Drafter
@@ -24,26 +34,61 @@ from ..drafters.chain import draft_chain
 from ..drafters.draft_model import DraftModelState
 from ..errors import SelfspecError
 from ..kv_cache import truncate
+from ..memory import kv_bytes_per_token, model_dtype
 from ..sequence import common_prefix
 from ..tree import DraftTree, chain
 from ..verify import cache_kwarg
 from .common import config_with_layers, lm_head, text_config, trained_parameter_count
 from .config import EarlyExitConfig
 
+# the output projections of transformers' attention and MLP blocks, zeroed so the adapter layer starts as identity
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
+
 
 class ExitAdapter(nn.Module):
-    """The trained part: an optional residual projection ``h + W h`` (W = 0 at init) before the LM head."""
+    """The trained part between the exit state and the LM head (``config.adapter``): a residual projection, or
+    one decoder layer over the sequence of exit states."""
 
     def __init__(self, config: EarlyExitConfig, target_config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         hidden = text_config(target_config).hidden_size
-        self.proj = nn.Linear(hidden, hidden, bias=False) if config.exit_projection else None
+        self.proj = nn.Linear(hidden, hidden, bias=False) if config.adapter == "projection" and config.exit_projection \
+            else None
         if self.proj is not None:
             nn.init.zeros_(self.proj.weight)
+        self.decoder = None
+        if config.adapter == "layer":
+            layer_config = config_with_layers(target_config, 1, intermediate_size=config.adapter_intermediate_size,
+                                              vocab_size=1, pad_token_id=None, bos_token_id=None,
+                                              eos_token_id=None, tie_word_embeddings=False)
+            self.decoder = AutoModel.from_config(layer_config)
+            self.decoder.set_input_embeddings(None)  # exit states come in as inputs_embeds
+            if hasattr(self.decoder, "norm"):
+                self.decoder.norm = nn.Identity()  # the exit state is normed already: the LM head reads x + delta
+            for name, module in self.decoder.named_modules():
+                if name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS and isinstance(module, nn.Linear):
+                    nn.init.zeros_(module.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) normed exit state -> (..., H) input of the LM head."""
+    @property
+    def sequential(self) -> bool:
+        """Whether the adapter attends over earlier positions (then it has a KV cache of its own)."""
+        return self.decoder is not None
+
+    def new_cache(self) -> DynamicCache | None:
+        """An empty KV cache for the adapter layer (None for a per-position adapter)."""
+        return DynamicCache(config=self.decoder.config) if self.decoder is not None else None
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, cache: Cache | None = None
+                ) -> torch.Tensor:
+        """(B, n, H) exit states at ``position_ids`` (B, n) -> (B, n, H) input of the LM head. A layer adapter
+        attends causally over ``cache`` (earlier exit states, appended to) and the n states; None: from 0."""
+        if self.decoder is not None:
+            if position_ids is None:
+                position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None].expand(hidden.shape[0], -1)
+            out = self.decoder(inputs_embeds=hidden, position_ids=position_ids, use_cache=cache is not None,
+                               **{cache_kwarg(type(self.decoder)): cache})
+            return out.last_hidden_state
         return hidden if self.proj is None else hidden + self.proj(hidden)
 
 
@@ -79,8 +124,16 @@ def prefix_cache_view(cache: Cache, num_layers: int) -> Cache:
     return Cache(layers=list(cache.layers[:num_layers]))
 
 
+@dataclass
+class ExitState(DraftModelState):
+    """The drafter's own L-layer cache and the tokens it holds; a layer adapter's cache over the same positions."""
+
+    adapter_cache: Cache | None = None
+
+
 class EarlyExitDrafter(Drafter):
-    """Drafts a chain with the target's first layers: greedy, or sampled with its distributions."""
+    """Drafts a chain with the target's first layers and the exit adapter: greedy, or sampled with its
+    distributions."""
 
     name = "early-exit"
 
@@ -90,38 +143,46 @@ class EarlyExitDrafter(Drafter):
         self.decoder = truncated_decoder(target, adapter.config.exit_layer)
         self.device = next(target.parameters()).device
 
+    def _shared(self, ctx: DraftContext) -> Cache | None:
+        """The target's cache, where the drafter may draft inside it (a per-position adapter, an eager pass)."""
+        return None if self.adapter.sequential else getattr(ctx, "target_cache", None)
+
     @torch.no_grad()
-    def start(self, ctx: DraftContext) -> DraftModelState:
-        """Prefill an own L-layer cache with the prompt but its last token (none when drafting in the target's)."""
-        state = DraftModelState(DynamicCache(config=self.decoder.config), [])
+    def start(self, ctx: DraftContext) -> ExitState:
+        """Prefill own caches with the prompt but its last token (none when drafting in the target's)."""
+        state = ExitState(DynamicCache(config=self.decoder.config), [], self.adapter.new_cache())
         prefix = ctx.tokens[:-1].tolist()
-        if prefix and getattr(ctx, "target_cache", None) is None:
-            self._logits(torch.tensor([prefix], device=self.device), 0, state.cache)
+        if prefix and self._shared(ctx) is None:
+            self._logits(torch.tensor([prefix], device=self.device), 0, state.cache, state.adapter_cache)
             state.processed = prefix
         return state
 
-    def _logits(self, ids: torch.Tensor, start: int, cache: Cache) -> torch.Tensor:
-        """Feed ``ids`` (1, n) at positions ``start ..`` into ``cache``; the logits after the last one, (V,)."""
+    def _logits(self, ids: torch.Tensor, start: int, cache: Cache, adapter_cache: Cache | None) -> torch.Tensor:
+        """Feed ``ids`` (1, n) at positions ``start ..`` into the caches; the logits after the last one, (V,)."""
         pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.decoder)): cache})
-        return lm_head(self.target)(self.adapter(out.last_hidden_state[0, -1]))
+        exits = out.last_hidden_state
+        if not self.adapter.sequential:
+            exits = exits[:, -1:]  # a per-position adapter needs the last state only
+        return lm_head(self.target)(self.adapter(exits, pos[:, -exits.shape[1]:], adapter_cache)[0, -1])
 
     @torch.no_grad()
-    def propose(self, state: DraftModelState, ctx: DraftContext, req: DraftRequest
-                ) -> tuple[DraftTree, DraftModelState]:
+    def propose(self, state: ExitState, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, ExitState]:
         """A chain of ``req.max_depth`` tokens (greedy, or sampled with q reported)."""
         tokens = ctx.tokens.tolist()
         depth = min(req.max_depth, req.max_nodes - 1)
         if depth <= 0:
             return chain(tokens[-1], []), state
-        shared = getattr(ctx, "target_cache", None)
+        shared = self._shared(ctx)
         if shared is not None:  # the target's first L layers already hold tokens[:-1]
             cache, keep = prefix_cache_view(shared, self.adapter.config.exit_layer), ctx.cache_len
         else:
             cache, keep = state.cache, min(common_prefix(state.processed, tokens), len(tokens) - 1)
             truncate(cache, keep)
+            if state.adapter_cache is not None:
+                truncate(state.adapter_cache, keep)
         feed = torch.tensor([tokens[keep:]], device=self.device)
-        out = draft_chain(lambda ids, pos: self._logits(ids, pos, cache), feed, keep, depth, req,
+        out = draft_chain(lambda ids, pos: self._logits(ids, pos, cache, state.adapter_cache), feed, keep, depth, req,
                           lm_head(self.target).out_features)
         if shared is not None:
             truncate(cache, ctx.cache_len)  # give the target its layers back as they were
@@ -132,3 +193,10 @@ class EarlyExitDrafter(Drafter):
     def extra_parameters(self) -> int:
         """The exit adapter's trained parameters (the truncated model shares the target's)."""
         return trained_parameter_count(self.adapter)
+
+    def kv_bytes_per_token(self) -> int:
+        """The drafter's own cache, where it keeps one (the static pass, a layer adapter): the first L layers'
+        keys and values, plus the adapter layer's."""
+        dtype = model_dtype(self.target)
+        own = kv_bytes_per_token(self.target.config, dtype, self.adapter.config.exit_layer)
+        return own + (kv_bytes_per_token(self.adapter.decoder.config, dtype) if self.adapter.sequential else 0)

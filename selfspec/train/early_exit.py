@@ -1,6 +1,8 @@
 """What an early-exit adapter learns: the exit state (first L layers + final norm + adapter) predicts x_{t+1}.
 
-KL divergence to the target's own next-token distribution there, on assistant positions.
+KL divergence to the target's own next-token distribution there, on assistant positions. A layer adapter
+reads the whole sequence of exit states causally (the cache it drafts with holds the same states: the
+first L layers run on every drafted token, so no step of drafting feeds it anything it did not train on).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], 
     m, f, e = batch["loss_mask"].bool(), batch["f"], batch["exit"]
     keep = torch.zeros_like(m)
     keep[:, :-1] = m[:, 1:]  # position t predicts token t+1
-    logp = F.log_softmax(lm_logits(target, adapter(e[keep])).float(), -1)
+    logp = F.log_softmax(lm_logits(target, adapter(e)[keep]).float(), -1)
     with torch.no_grad():
         teacher = F.log_softmax(lm_logits(target, f[keep]).float(), -1)
     kl = F.kl_div(logp, teacher, log_target=True, reduction="batchmean")
@@ -42,4 +44,4 @@ def loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], 
 def predictions(heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], depth: int
                 ) -> list[torch.Tensor]:
     """Depth 1 only, aligned as the other families': ``out[0][:, t]`` (the exit at t + 1) guesses the token at t + 2."""
-    return [lm_logits(target, heads(batch["exit"])).argmax(-1)[:, 1:]]
+    return [lm_logits(target, heads(batch["exit"])).argmax(-1)[:, 1:]]  # heads: the whole sequence, causally

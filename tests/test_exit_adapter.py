@@ -1,0 +1,105 @@
+"""Early exit with a one-layer adapter (Kangaroo-style): lossless on every pass, starts as the plain exit,
+keeps its own caches in step with the committed tokens, trains with the base frozen, saves and loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import (ALPHA, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy, perturb, prompt_for,
+                      tiny_model)
+from selfspec.checkpoint import load_heads, save_heads
+from selfspec.drafters.base import DraftContext, DraftRequest
+from selfspec.engine import DecodeConfig, SpeculativeEngine, prefill
+from selfspec.errors import SelfspecError
+from selfspec.heads import init_heads, make_drafter
+from selfspec.sampling import SamplingConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LAYER = {"exit_layer": 1, "adapter": "layer"}
+
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("seed", range(3))
+def test_layer_adapter_is_lossless(seed: int, arch: str, backend: str) -> None:
+    model = tiny_model(seed, layers=3, arch=arch)
+    prompt = prompt_for(seed)
+    expected = hf_greedy(model, prompt, 30)
+    drafter = make_drafter(perturb(init_heads("early-exit", model, **LAYER), seed, 0.2), model)
+    depth = [4, 6, 2][seed]
+    cfg = DecodeConfig(max_new_tokens=30, max_depth=depth, max_nodes=depth + 1, adaptive=False)
+    got = SpeculativeEngine(model, drafter, backend=backend).generate(prompt, cfg)
+    assert got.tokens == expected
+    assert got.stats.speculative_steps > 0
+
+
+def test_an_untrained_layer_adapter_after_every_layer_accepts_everything() -> None:
+    """Exit after the last layer, adapter at its identity start: the draft IS the target (positions, caches)."""
+    model = tiny_model(2, layers=3, arch="qwen2")
+    drafter = make_drafter(init_heads("early-exit", model, exit_layer=3, adapter="layer"), model)
+    cfg = DecodeConfig(max_new_tokens=30, max_depth=4, adaptive=False)
+    for backend in ("eager", "static"):
+        got = SpeculativeEngine(model, drafter, backend=backend).generate(prompt_for(2), cfg)
+        assert got.tokens == hf_greedy(model, prompt_for(2), 30)
+        assert got.stats.acceptance_by_depth == [1.0] * 4
+
+
+def test_an_untrained_layer_adapter_drafts_what_the_plain_exit_drafts() -> None:
+    model = tiny_model(1, layers=3)
+    plain = make_drafter(init_heads("early-exit", model, exit_layer=2, exit_projection=False), model)
+    layer = make_drafter(init_heads("early-exit", model, exit_layer=2, adapter="layer"), model)
+    ctx = DraftContext(torch.tensor(prompt_for(1, 12)), 11)
+    req = DraftRequest(5, 16, SamplingConfig())
+    a, _ = plain.propose(plain.start(ctx), ctx, req)
+    b, _ = layer.propose(layer.start(ctx), ctx, req)
+    assert a.tokens.tolist() == b.tokens.tolist()
+
+
+def test_the_adapter_cache_follows_the_committed_tokens() -> None:
+    """Drafting after commits (caches cropped and re-fed) equals drafting from a fresh start at that context."""
+    model = tiny_model(2, layers=3)
+    drafter = make_drafter(perturb(init_heads("early-exit", model, **LAYER), 2, 0.3), model)
+    req = DraftRequest(4, 16, SamplingConfig())
+    tokens = prompt_for(2, 10)
+    ctx = DraftContext(torch.tensor(tokens), len(tokens) - 1)
+    state = drafter.start(ctx)
+    for extra in ([7, 3], [9], [1, 1, 4]):  # each step: draft, then a commit differing from the draft
+        _, state = drafter.propose(state, ctx, req)
+        tokens = tokens + extra
+        ctx = DraftContext(torch.tensor(tokens), len(tokens) - 1)
+        state = drafter.observe(state, ctx)
+        incremental, state = drafter.propose(state, ctx, req)
+        fresh, _ = drafter.propose(drafter.start(ctx), ctx, req)
+        assert incremental.tokens.tolist() == fresh.tokens.tolist()
+    assert drafter.kv_bytes_per_token() > 0  # its own caches are counted
+
+
+def test_sampling_with_a_layer_adapter_is_lossless() -> None:
+    target = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
+    heads = perturb(init_heads("early-exit", target, **LAYER), 3, 0.2)
+    engine = SpeculativeEngine(target, make_drafter(heads, target))
+    assert chi_square_pvalue(draw(engine, 2, n=1000), exact_joint(target)) > ALPHA
+
+
+def test_layer_adapter_checkpoint_round_trip(tmp_path) -> None:
+    model = tiny_model(3, layers=3, arch="qwen2")
+    heads = perturb(init_heads("early-exit", model, exit_layer=2, adapter="layer", adapter_intermediate_size=24), 3)
+    folder = save_heads(heads, model, tmp_path / "heads")
+    loaded, drafter = load_heads(model, folder)
+    assert loaded.config == heads.config and loaded.config.adapter_intermediate_size == 24
+    a, b = heads.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    prompt = prompt_for(3)
+    got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=20, adaptive=False))
+    assert got.tokens == hf_greedy(model, prompt, 20)
+
+
+def test_bad_adapter_settings_are_one_line_errors() -> None:
+    model = tiny_model(0, layers=3)
+    with pytest.raises(SelfspecError, match="adapter must be one of"):
+        init_heads("early-exit", model, adapter="mlp")
+    with pytest.raises(SelfspecError, match="adapter_intermediate_size"):
+        init_heads("early-exit", model, adapter="layer", adapter_intermediate_size=0)
+    with pytest.raises(SelfspecError, match="exit_layer must lie in"):
+        init_heads("early-exit", model, adapter="layer", exit_layer=7)
