@@ -54,6 +54,14 @@ def depth_counts(drafts: int, accepted_per_pos: list[int]) -> tuple[list[int], l
     return reached, [int(a) for a in accepted_per_pos]
 
 
+def with_acceptance(run: Run, reply: dict) -> Run:
+    """``run`` with a speculative worker's counters in ``reply`` read as selfspec's per-depth acceptance and tau."""
+    if "drafts" in reply:
+        run.reached_depth, run.accepted_at_depth = depth_counts(int(reply["drafts"]), reply["accepted_per_pos"])
+        run.tau = 1 + sum(run.accepted_at_depth) / run.reached_depth[0] if run.reached_depth[0] else None
+    return run
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a worker loads: the model folder, its dtype (a torch dtype's name), its speculative config."""
@@ -116,13 +124,24 @@ class VllmClient:
         if "error" in reply:
             raise SelfspecError(f"{self.name}: the vLLM worker could not generate: {reply['error']}")
         try:
-            run = Run([int(t) for t in reply["tokens"]], float(reply["seconds"]))
-            if "drafts" in reply:  # speculative: vLLM's acceptance in selfspec's terms (per depth, conditional)
-                run.reached_depth, run.accepted_at_depth = depth_counts(int(reply["drafts"]), reply["accepted_per_pos"])
-                run.tau = 1 + sum(run.accepted_at_depth) / run.reached_depth[0] if run.reached_depth[0] else None
-            return run
+            return with_acceptance(Run([int(t) for t in reply["tokens"]], float(reply["seconds"])), reply)
         except (KeyError, TypeError, ValueError):
             raise self._fail(f"answered {json.dumps(reply)[:200]}, not tokens and seconds") from None
+
+    def run_batch(self, batch: list[list[int]], max_new: int) -> tuple[list[list[int]], float, Run]:
+        """Greedy decoding of every prompt of ``batch`` together (vLLM's continuous batching): the new tokens of
+        each, the call's wall time, and a Run of the batch's totals (its acceptance, for a speculative worker)."""
+        self.start()
+        self._send({"batch": [[int(t) for t in ids] for ids in batch], "max_new_tokens": int(max_new)})
+        reply = self._receive(None, "generating")
+        if "error" in reply:
+            raise SelfspecError(f"{self.name}: the vLLM worker could not generate: {reply['error']}")
+        try:
+            outputs = [[int(t) for t in out] for out in reply["outputs"]]
+            run = with_acceptance(Run([t for out in outputs for t in out], float(reply["seconds"])), reply)
+            return outputs, run.seconds, run
+        except (KeyError, TypeError, ValueError):
+            raise self._fail(f"answered {json.dumps(reply)[:200]}, not outputs and seconds") from None
 
     def close(self, grace_s: float = 30.0) -> None:
         """End the worker: EOF on its stdin lets it exit by itself; killed if it has not within ``grace_s``."""

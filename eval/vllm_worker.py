@@ -120,12 +120,36 @@ def generate(llm, ids: list[int], max_new: int, speculative: bool = False) -> di
     return reply
 
 
+def generate_batch(llm, batch: list[list[int]], max_new: int, speculative: bool = False) -> dict:
+    """Greedy new tokens for every prompt of ``batch`` in one ``generate`` call (vLLM batches them), the wall
+    time of the call and, for a speculative config, the batch's draft counters."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_new, detokenize=False)
+    before = spec_counters(llm) if speculative else None
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    reply = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}
+    if speculative:
+        drafts, per_pos = spec_counters(llm)
+        old = before[1] + [0] * (len(per_pos) - len(before[1]))
+        reply.update(drafts=drafts - before[0], accepted_per_pos=[a - b for a, b in zip(per_pos, old)])
+    return reply
+
+
 def serve(llm, requests: IO[str], replies: IO[str], speculative: bool = False) -> None:
-    """Answer one JSON line per request line until EOF."""
+    """Answer one JSON line per request line until EOF: ``{"ids", "max_new_tokens"}`` (one prompt) or
+    ``{"batch", "max_new_tokens"}`` (several prompts decoded together)."""
     for line in requests:
         try:
             req = json.loads(line)
-            reply = generate(llm, [int(t) for t in req["ids"]], int(req["max_new_tokens"]), speculative)
+            if "batch" in req:
+                reply = generate_batch(llm, [[int(t) for t in ids] for ids in req["batch"]],
+                                       int(req["max_new_tokens"]), speculative)
+            else:
+                reply = generate(llm, [int(t) for t in req["ids"]], int(req["max_new_tokens"]), speculative)
         except Exception as exc:  # a bad request (too long a prompt, say) is answered, not fatal
             reply = {"error": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"}
         replies.write(json.dumps(reply) + "\n")

@@ -12,6 +12,11 @@ once into its own blocked layout faster (Qwen2.5-Coder-1.5B's linears, bf16, 2 c
     dense_linears(model)    a context: dense inside (e.g. to time stock ``transformers``), packed again after
                             (or, given the dense modules kept from before packing, swapped in and out)
 
+Under ``torch.compile`` a packed linear is one opaque operator, ``selfspec::packed_linear(x, key)``, that calls
+the module's own packed matmul: inductor fuses the small operations around it (norms, rotary, residual adds)
+while every graph shares the one packed copy of the weights. (Inductor's own "freezing" would pack a copy of
+every weight into each graph: one copy per tree-size bucket, more than a 1.5B model's 24 GB machine holds.)
+
 The packed weight computes the same products as the dense one (the tests check bit-equality on tiny models),
 but oneDNN may block the reduction differently for other shapes: bf16 outputs can differ in the last bit, which
 the bench's divergence diagnosis tells apart from a bug.
@@ -19,8 +24,9 @@ the bench's divergence diagnosis tells apart from a bug.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
-from itertools import chain
+from itertools import chain, count
 
 import torch
 from torch import nn
@@ -51,6 +57,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return packed_linear(x, weight, bias) if weight.is_mkldnn else nn.functional.linear(x, weight, bias)
 
 
+# the operator compiled graphs call: a key into the live packed modules (the module's packed weight is opaque to
+# tracing, so the graph carries the key, and the call runs the module's eager forward)
+_LIVE: dict[int, weakref.ReferenceType] = {}
+_KEYS = count()
+_LIB = torch.library.Library("selfspec", "DEF")
+_LIB.define("packed_linear(Tensor x, int key) -> Tensor")
+
+
+def _run_packed(x: torch.Tensor, key: int) -> torch.Tensor:
+    module = _LIVE[key]()
+    if module is None:
+        raise RuntimeError(f"packed linear {key} was freed while a compiled graph still calls it")
+    return module.eager_forward(x)
+
+
+_LIB.impl("packed_linear", _run_packed, "CPU")
+
+
+@torch.library.register_fake("selfspec::packed_linear")
+def _packed_linear_shape(x: torch.Tensor, key: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _LIVE[key]().out_features)
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` in oneDNN's blocked layout; frozen (inference only). Its state dict is an
     ``nn.Linear``'s (``weight``, ``bias``, dense), so saving and loading a packed model work unchanged.
@@ -64,6 +93,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype, self.batch_hint = linear.weight.dtype, batch_hint
         self.blocks = 0
+        self.key = next(_KEYS)
+        _LIVE[self.key] = weakref.ref(self, lambda _, key=self.key: _LIVE.pop(key, None))
         self._pack(linear.weight)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
@@ -78,6 +109,12 @@ class PackedLinear(nn.Module):
         return [getattr(self, f"packed_{i}") for i in range(self.blocks)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque call in the graph (see the module's docstring)
+            return torch.ops.selfspec.packed_linear(x, self.key)
+        return self.eager_forward(x)
+
+    def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed matmul."""
         if self.blocks == 1:
             return packed_linear(x, self.packed_0, self.bias)
         out = x.new_empty(*x.shape[:-1], self.out_features)

@@ -8,17 +8,17 @@ graphs (one per tree-size bucket) that serve every step, and CUDA graphs can rep
     a pass    root + tree (n nodes) padded to the bucket b >= n: node i is written into slot cache_len + i;
               the mask (1, 1, b, max_len) lets node i see slots < cache_len, itself and its ancestors;
               a padding node sees only its own slot and its logits are dropped
-    weights   on a CPU, uncompiled: every linear but the LM head packed into oneDNN's blocked layout
-              (``selfspec/packed_linear.py``; memory-neutral, 1.3-1.6x faster passes on this project's CPU)
+    weights   on a CPU: every linear packed into oneDNN's blocked layout (``selfspec/packed_linear.py``;
+              memory-neutral, 1.3-1.6x faster passes on this project's CPU); compiled graphs call the packed
+              matmuls as opaque operators and fuse what lies between them
     attention grouped-query attention without copying K/V, over the slots a pass can see
               (``selfspec/attention.py``); uncompiled, the mask (and so the K/V read) is cut to cache_len + b
     keep      the accepted path is copied into the slots after the root and the cache is cropped back
               (``crop``), so stale slots past the committed length are never seen: the mask hides them
               until the next pass overwrites them
 
-On a CPU the compiled graphs are frozen (weights pre-packed for the matmul kernels); on CUDA they are
-recorded as CUDA graphs ("reduce-overhead"). Inductor keeps what it compiled on disk
-(``$SELFSPEC_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set), so a second process starts fast.
+On CUDA the compiled graphs are recorded as CUDA graphs ("reduce-overhead"). Inductor keeps what it compiled
+on disk (``$SELFSPEC_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set) for a second process.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ from transformers import StaticCache
 
 from .attention import static_attention
 from .errors import SelfspecError
-from .packed_linear import is_packed, pack_linears, unpack_linears
+from .packed_linear import is_packed, pack_linears
 from .paths import selfspec_home
 from .tree import DraftTree, chain
 from .verify import Verification, cache_kwarg, state_layers
 
 BUCKETS = (1, 4, 8, 16, 32, 64)  # tree sizes (root included) a pass is padded to; one compiled graph each
 CACHE_STEP = 512  # the static cache grows in multiples of this (each size is another set of graphs)
-FREEZE = os.environ.get("SELFSPEC_FREEZE", "1") == "1"
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -95,11 +94,7 @@ class StaticPass:
     def __init__(self, model: torch.nn.Module, compile: bool = False, buckets: tuple[int, ...] = BUCKETS,
                  pack: bool = True) -> None:
         self.model = model
-        # uncompiled on a CPU: the linears' weights in oneDNN's layout; compiled graphs trace the dense modules
-        # (frozen, inductor packs its own copy)
-        if compile:
-            unpack_linears(model)
-        elif pack:
+        if pack:  # on a CPU: the linears' weights in oneDNN's layout, shared by the eager and compiled paths
             pack_linears(model)
         self.packed = is_packed(model)
         self.compiled = compile
@@ -122,12 +117,7 @@ class StaticPass:
         dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * len(self.buckets))  # one graph per bucket x size
         if self.device.type == "cuda":
             return torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
-        compiled = torch.compile(self._forward, dynamic=False)
-
-        def frozen(*args):  # dynamo must see the flag while tracing (it then guards on the weights' identity)
-            with torch._inductor.config.patch(freezing=FREEZE):
-                return compiled(*args)
-        return frozen
+        return torch.compile(self._forward, dynamic=False)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...] = ()
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

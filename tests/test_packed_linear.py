@@ -35,6 +35,26 @@ def test_packed_linear_computes_the_dense_product(dtype, bias):
     assert bias == (back.bias is not None) and (not bias or torch.equal(back.bias, linear.bias))
 
 
+def test_a_compiled_graph_calls_the_packed_matmul_as_one_opaque_operator():
+    """Compiled code shares the module's packed weight (no copy per graph) and computes exactly its product."""
+    torch.manual_seed(1)
+    block = nn.Sequential(nn.Linear(24, 40), nn.SiLU(), nn.Linear(40, 24)).to(torch.bfloat16)
+    pack_linears(block)
+    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    eager = block(x)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(block, backend=backend, dynamic=False)
+    assert torch.equal(compiled(x), eager)
+    ops = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.selfspec.packed_linear) == 2  # the dynamo graph: the op packet
+    assert torch.equal(torch.ops.selfspec.packed_linear(x, block[0].key), block[0].eager_forward(x))
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_pack_and_unpack_are_exact_and_tied_output_embeddings_stay_dense(tie):
     model = tiny_model(3, tie=tie)

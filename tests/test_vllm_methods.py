@@ -33,7 +33,10 @@ for line in sys.stdin:
     if model == "garbled":
         print("INFO 12-02 vLLM is ready", flush=True)
         continue
-    reply = {{"tokens": req["ids"][::-1][:req["max_new_tokens"]], "seconds": 0.25}}
+    if "batch" in req:
+        reply = {{"outputs": [ids[::-1][:req["max_new_tokens"]] for ids in req["batch"]], "seconds": 0.5}}
+    else:
+        reply = {{"tokens": req["ids"][::-1][:req["max_new_tokens"]], "seconds": 0.25}}
     if "--speculative-config" in argv and "eagle3" in argv[argv.index("--speculative-config") + 1]:
         reply.update(drafts=4, accepted_per_pos=[3, 2, 1])
     print(json.dumps(reply), flush=True)
@@ -61,6 +64,13 @@ def test_client_round_trips_ids_and_tokens(fake_python):
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--threads") + 1] == "2"
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == spec
     assert "--speculative-config" not in WorkerConfig("m").argv()
+
+
+def test_a_batch_goes_to_the_worker_as_one_request(fake_python):
+    with VllmClient(WorkerConfig("echo", "float32"), python=fake_python) as client:
+        outputs, seconds, run = client.run_batch([[1, 2, 3], [4, 5], [6]], 2)
+    assert outputs == [[3, 2], [5, 4], [6]] and seconds == 0.5
+    assert run.tokens == [3, 2, 5, 4, 6] and run.tau is None
 
 
 def test_dead_worker_is_one_line_with_its_stderr(fake_python, tmp_path):
