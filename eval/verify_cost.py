@@ -1,6 +1,7 @@
 """What verifying k tokens in one target pass costs on this machine: the curve that bounds a draft's size.
 
     python -m selfspec_eval.verify_cost --model smollm2-135m-instruct --context 300 --k 1,2,4,8,16
+    python -m selfspec_eval.verify_cost --model qwen2.5-coder-1.5b-instruct --target-pass static,compiled
 
 A forward of k new tokens over a ``--context``-token KV cache, timed for every k in turn within
 each repetition (so the ks share the machine's noise), the cache cropped back after each. Prints
@@ -42,20 +43,31 @@ def pass_ms(target, cache, context: int, k: int, vocab: int) -> float:
 def measure(model, context: int, ks: list[int], reps: int, backend: str = "eager") -> tuple[dict, dict]:
     """Median ms per k over ``reps`` rounds, each round timing every k once, after a first round that
     warms kernels and builds compiled graphs; also returns that first round's ms per k (compile time)."""
+    medians, first = measure_backends(model, context, ks, reps, [backend])
+    return medians[backend], first[backend]
+
+
+def measure_backends(model, context: int, ks: list[int], reps: int, backends: list[str]) -> tuple[dict, dict]:
+    """:func:`measure` for several backends at once, interleaved (every round times each k on each backend in
+    turn, so they share the machine's noise); the passes share the model's (packed) weights. Per backend:
+    median ms per k, and the first round's ms per k."""
     vocab = model.get_input_embeddings().weight.shape[0]
-    target = make_target_pass(model, backend)
-    cache = target.new_cache(context + max(ks))
-    target.prefill(cache, torch.randint(0, vocab, (context,)), False)
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    first: dict[int, float] = {}
+    prompt = torch.randint(0, vocab, (context,))
+    targets = {b: make_target_pass(model, b) for b in backends}
+    caches = {b: t.new_cache(context + max(ks)) for b, t in targets.items()}
+    for b, t in targets.items():
+        t.prefill(caches[b], prompt, False)
+    times = {b: {k: [] for k in ks} for b in backends}
+    first: dict[str, dict[int, float]] = {b: {} for b in backends}
     for rep in range(reps + 1):
         for k in ks:
-            ms = pass_ms(target, cache, context, k, vocab)
-            if rep:
-                times[k].append(ms)
-            else:
-                first[k] = ms
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}, first
+            for b, t in targets.items():
+                ms = pass_ms(t, caches[b], context, k, vocab)
+                if rep:
+                    times[b][k].append(ms)
+                else:
+                    first[b][k] = ms
+    return {b: {k: sorted(v)[len(v) // 2] for k, v in per.items()} for b, per in times.items()}, first
 
 
 def table(medians: dict[int, float]) -> str:
@@ -79,22 +91,28 @@ def parse_ks(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the target, time every k, print the table."""
+    """Load the target, time every k on each pass, print the tables."""
     ks = parse_ks(args.k)
+    backends = args.target_pass.split(",")
     model, _ = load_target(args)
-    medians, first = measure(model, args.context, ks, args.reps, args.target_pass)
-    print(f"{args.model}, {dtype_name(model_dtype(model))}, {args.target_pass} pass, {args.device}, cache "
-          f"{args.context} tokens, {torch.get_num_threads()} threads, median of {args.reps}")
-    print(table(medians))
-    print("first pass per k (ms; includes compiling on the compiled pass): "
-          + ", ".join(f"{k}: {ms:.0f}" for k, ms in first.items()))
+    medians, first = measure_backends(model, args.context, ks, args.reps, backends)
+    for b in backends:
+        print(f"{args.model}, {dtype_name(model_dtype(model))}, {b} pass, {args.device}, cache "
+              f"{args.context} tokens, {torch.get_num_threads()} threads, median of {args.reps}")
+        print(table(medians[b]))
+        print("first pass per k (ms; includes compiling on the compiled pass): "
+              + ", ".join(f"{k}: {ms:.0f}" for k, ms in first[b].items()))
+    if len(backends) > 1:
+        base = backends[0]
+        print(f"interleaved, ms relative to {base}: " + "; ".join(
+            f"{b} " + ", ".join(f"k={k} {medians[b][k] / medians[base][k]:.2f}" for k in ks) for b in backends[1:]))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m selfspec_eval.verify_cost``: the shared model options, the cache length, the ks."""
     p = OneLineParser(prog="verify_cost", description=__doc__.split("\n")[0])
-    add_model_options(p)
+    add_model_options(p, several_passes=True)
     p.set_defaults(target_pass="eager")
     p.add_argument("--context", type=positive_int, default=300, help="tokens already in the cache")
     p.add_argument("--k", default="1,2,4,8,16", help="new tokens per forward, comma-separated")

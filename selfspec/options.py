@@ -104,8 +104,20 @@ def folders(text: str) -> list[str]:
 
 # --- the groups ---------------------------------------------------------------------------------------
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --target-pass, --device, --threads: the target and how it runs."""
+def target_passes(text: str) -> str:
+    """``--target-pass`` of a command that times several side by side: names separated by commas."""
+    from .target_pass import BACKENDS
+
+    names = text.split(",")
+    bad = [n for n in names if n not in ("auto", *BACKENDS)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown target pass {bad[0]!r}; choose from auto, {', '.join(BACKENDS)}")
+    return text
+
+
+def add_model_options(p: argparse.ArgumentParser, several_passes: bool = False) -> None:
+    """--model, --dtype, --target-pass, --device, --threads: the target and how it runs (``several_passes``:
+    --target-pass takes a comma-separated list)."""
     from .dtypes import DTYPE_CHOICES
     from .target_pass import AUTO_BACKEND_HELP, BACKENDS
     from .zoo import DEFAULT_MODEL
@@ -115,9 +127,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="auto: bfloat16 on GPUs and on CPUs that compute it natively and faster, else float32")
-    g.add_argument("--target-pass", default="auto", choices=("auto", *BACKENDS),
-                   help="how the target runs: eager modules over a growing cache, a static preallocated cache, or "
-                        "that static pass compiled (auto: " + AUTO_BACKEND_HELP + ")")
+    how = ("how the target runs: eager modules over a growing cache, a static preallocated cache, or that static "
+           "pass compiled (auto: " + AUTO_BACKEND_HELP + ")")
+    if several_passes:
+        g.add_argument("--target-pass", default="auto", type=target_passes,
+                       help=how + "; several, separated by commas, are timed side by side")
+    else:
+        g.add_argument("--target-pass", default="auto", choices=("auto", *BACKENDS), help=how)
     g.add_argument("--device", default="cpu", type=device, help="cpu, cuda, cuda:1, ...")
     g.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: torch's default)")
 

@@ -106,8 +106,10 @@ def test_heads_prediction_matches_counted(family):
     counted = counted_added(target, drafter, 0, 16)
     assert counted["weights"] == pred.weights + own_buffer_bytes(drafter, target)
     assert counted["tree"] == pred.transient
-    if family != "eagle":
-        assert pred.kv_per_token == 0  # medusa has no cache; early exit drafts in the target's own layers
+    if family == "medusa":
+        assert pred.kv_per_token == 0  # no cache
+    if family == "early-exit":  # its own cache of the first 2 layers where it cannot draft in the target's
+        assert pred.kv_per_token == kv_bytes_per_token(target.config, torch.float32, 2)
 
 
 def test_head_method_with_lookup_wraps_the_same_heads(tmp_path):
@@ -202,7 +204,7 @@ def test_bench_bad_model_is_one_line(capsys, tmp_path):
 
 
 def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
-    from selfspec_eval.verify_cost import main, measure, parse_ks, pass_ms, table
+    from selfspec_eval.verify_cost import main, measure, measure_backends, parse_ks, pass_ms, table
 
     model = tiny_model(4)
     for backend in ("eager", "static"):
@@ -213,11 +215,15 @@ def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
         assert target.length(cache) == 5  # the k timed tokens were rolled back again
         medians, first = measure(model, context=6, ks=[1, 4], reps=2, backend=backend)
         assert list(medians) == list(first) == [1, 4] and all(ms > 0 for ms in medians.values())
+    medians, first = measure_backends(model, context=6, ks=[1, 4], reps=2, backends=["eager", "static"])
+    assert list(medians) == list(first) == ["eager", "static"] and all(list(m) == [1, 4] for m in medians.values())
     assert table({1: 10.0, 4: 15.0}).splitlines()[2:] == ["| 1 | 10.0 | 1.00 |", "| 4 | 15.0 | 1.50 |"]
     assert table({2: 10.0, 8: 20.0}).splitlines()[0] == "| k | ms | x k=2 |"
     assert parse_ks("1,2,8") == [1, 2, 8]
     with pytest.raises(SystemExit, match="2"):  # a one-line error as the line is parsed, before any model loads
         main(["--context", "0"])
+    with pytest.raises(SystemExit, match="2"):
+        main(["--target-pass", "static,fast"])
     for bad in ("", "0,2", "two"):
         with pytest.raises(SelfspecError, match="--k takes positive integers"):
             parse_ks(bad)

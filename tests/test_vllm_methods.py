@@ -148,3 +148,17 @@ def test_vllm_with_exported_heads(fake_python, monkeypatch, tmp_path):
     assert run.tau == 2.5  # 1 + 6 accepted tokens / 4 drafts
     with pytest.raises(SelfspecError, match="vllm\\+eagle3"):
         build_methods(["vllm+medusa"], target, None, None, {"eagle3": str(tmp_path / "heads")}, vllm=config)
+
+
+def test_batch_sizes_are_timed_for_both_workers(fake_python):
+    """``vllm_batches``: each batch size decoded by vLLM plain and with heads; tokens summed, acceptance read."""
+    from selfspec_eval.vllm_batches import measure, table
+
+    spec = {"method": "eagle3", "model": "exported", "num_speculative_tokens": 3}
+    with VllmClient(WorkerConfig("echo"), python=fake_python) as plain, \
+            VllmClient(WorkerConfig("echo", speculative=spec), "vllm+eagle3", python=fake_python) as heads:
+        rows = measure(plain, heads, [[1, 2, 3], [4, 5]], [1, 4], max_new=2, rounds=2)
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert rows[1]["tokens"] == [16, 16] and rows[1]["seconds"] == [1.0, 1.0]  # 4 prompts x 2 tokens x 2 rounds
+    lines = table(rows, "vllm+eagle3").splitlines()
+    assert lines[0].startswith("| batch | vllm tok/s | vllm+eagle3 tok/s") and lines[3].startswith("| 4 | 16.00 | 16.00 | 1.00x")
