@@ -41,9 +41,9 @@ def measure(plain, heads, prompts: list[list[int]], sizes: list[int], max_new: i
         row = {"batch": b, "tokens": [0, 0], "seconds": [0.0, 0.0], "drafts": 0, "accepted": []}
         for _ in range(rounds):
             for i, client in enumerate((plain, heads)):
-                outputs, seconds, run = client.run_batch(batch, max_new)
+                outputs, run = client.run_batch(batch, max_new)
                 row["tokens"][i] += sum(len(o) for o in outputs)
-                row["seconds"][i] += seconds
+                row["seconds"][i] += run.seconds
                 if run.reached_depth:
                     row["drafts"] += run.reached_depth[0]
                     acc = run.accepted_at_depth

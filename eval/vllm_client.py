@@ -128,9 +128,9 @@ class VllmClient:
         except (KeyError, TypeError, ValueError):
             raise self._fail(f"answered {json.dumps(reply)[:200]}, not tokens and seconds") from None
 
-    def run_batch(self, batch: list[list[int]], max_new: int) -> tuple[list[list[int]], float, Run]:
+    def run_batch(self, batch: list[list[int]], max_new: int) -> tuple[list[list[int]], Run]:
         """Greedy decoding of every prompt of ``batch`` together (vLLM's continuous batching): the new tokens of
-        each, the call's wall time, and a Run of the batch's totals (its acceptance, for a speculative worker)."""
+        each, and a Run of the batch's totals (the call's wall time; its acceptance, for a speculative worker)."""
         self.start()
         self._send({"batch": [[int(t) for t in ids] for ids in batch], "max_new_tokens": int(max_new)})
         reply = self._receive(None, "generating")
@@ -138,8 +138,7 @@ class VllmClient:
             raise SelfspecError(f"{self.name}: the vLLM worker could not generate: {reply['error']}")
         try:
             outputs = [[int(t) for t in out] for out in reply["outputs"]]
-            run = with_acceptance(Run([t for out in outputs for t in out], float(reply["seconds"])), reply)
-            return outputs, run.seconds, run
+            return outputs, with_acceptance(Run([t for out in outputs for t in out], float(reply["seconds"])), reply)
         except (KeyError, TypeError, ValueError):
             raise self._fail(f"answered {json.dumps(reply)[:200]}, not outputs and seconds") from None
 

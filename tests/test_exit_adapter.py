@@ -10,7 +10,7 @@ from conftest import (ALPHA, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_join
                       tiny_model)
 from selfspec.checkpoint import load_heads, save_heads
 from selfspec.drafters.base import DraftContext, DraftRequest
-from selfspec.engine import DecodeConfig, SpeculativeEngine, prefill
+from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads, make_drafter
 from selfspec.sampling import SamplingConfig

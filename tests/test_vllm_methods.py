@@ -68,8 +68,8 @@ def test_client_round_trips_ids_and_tokens(fake_python):
 
 def test_a_batch_goes_to_the_worker_as_one_request(fake_python):
     with VllmClient(WorkerConfig("echo", "float32"), python=fake_python) as client:
-        outputs, seconds, run = client.run_batch([[1, 2, 3], [4, 5], [6]], 2)
-    assert outputs == [[3, 2], [5, 4], [6]] and seconds == 0.5
+        outputs, run = client.run_batch([[1, 2, 3], [4, 5], [6]], 2)
+    assert outputs == [[3, 2], [5, 4], [6]] and run.seconds == 0.5
     assert run.tokens == [3, 2, 5, 4, 6] and run.tau is None
 
 
