@@ -175,7 +175,7 @@ def vllm_heads_client(name: str, folder: str, config: WorkerConfig | None, token
     """A worker drafting with the heads in ``folder``, exported for vLLM beside the bench's logs."""
     import tempfile
 
-    from selfspec.checkpoint.serving import export_for_serving
+    from selfspec.checkpoint.serving import export_for_serving, vllm_speculative_config
 
     from .vllm_client import VllmClient
 
@@ -183,5 +183,5 @@ def vllm_heads_client(name: str, folder: str, config: WorkerConfig | None, token
         raise SelfspecError(f"method {name} needs the model folder and dtype for vLLM")
     where = Path(config.log_dir or tempfile.mkdtemp(prefix="selfspec-vllm-")) / f"export-{name[5:]}"
     exported = export_for_serving(folder, where, "vllm", base=config.model)
-    spec = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": tokens}
+    spec = vllm_speculative_config(exported, tokens)
     return VllmClient(replace(config, speculative=spec), name)

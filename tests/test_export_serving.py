@@ -1,5 +1,6 @@
-"""Exporting eagle3 heads to the layouts serving engines load: names, shapes, dtypes, d2t, the fused layer ids per
-engine (tiny models of several depths), and a clear refusal for families that have no place there."""
+"""Exporting heads to the layouts serving engines load: eagle3 names, shapes, dtypes, d2t, the fused layer ids per
+engine (tiny models of several depths); medusa heads in vLLM's Medusa layout; a clear refusal for families (and
+family/format pairs) that have no place there."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import perturb, tiny_model
 from selfspec.checkpoint import save_heads
-from selfspec.checkpoint.serving import expected_tensors, export_for_serving
+from selfspec.checkpoint.serving import expected_tensors, export_for_serving, vllm_speculative_config
 from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads
 
@@ -63,11 +64,47 @@ def test_eagle3_export_round_trip(tmp_path: Path, layers: int, fmt: str) -> None
     assert {k: tuple(v.shape) for k, v in tensors.items()} == expected_tensors(layer, 64)
 
 
-@pytest.mark.parametrize("family", ["eagle", "medusa", "early-exit"])
-def test_families_without_a_layout_are_refused(tmp_path: Path, family: str) -> None:
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_medusa_export_is_vllms_medusa_layout(tmp_path: Path, num_layers: int) -> None:
+    folder, heads, model = saved(tmp_path, "medusa", 4, num_heads=3, num_layers=num_layers)
+    out = export_for_serving(folder, tmp_path / "out", "vllm", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["model_type"] == "medusa" and config["num_heads"] == 3
+    assert config["num_hidden_layers"] == num_layers and config["medusa_fc_bias"] and config["original_lm_head"]
+    assert config["vocab_size"] == config["truncated_vocab_size"] == 64
+    assert config["hidden_size"] == model.config.hidden_size
+    want = {f"blocks.{i}.layers.{j}.{p}" for i in range(3) for j in range(num_layers) for p in ("weight", "bias")}
+    assert tensors.keys() == want | {"lm_heads.0.weight"}
+    for i, head in enumerate(heads.heads):
+        for j, block in enumerate(head):
+            assert torch.equal(tensors[f"blocks.{i}.layers.{j}.weight"], block.linear.weight)
+            assert torch.equal(tensors[f"blocks.{i}.layers.{j}.bias"], block.linear.bias)
+    assert torch.equal(tensors["lm_heads.0.weight"], model.get_output_embeddings().weight)
+    # what vLLM's Medusa computes from the exported tensors = what selfspec's heads feed the LM head
+    h = torch.randn(2, model.config.hidden_size)
+    for i in range(3):
+        x = h
+        for j in range(num_layers):
+            x = x + torch.nn.functional.silu(x @ tensors[f"blocks.{i}.layers.{j}.weight"].T
+                                             + tensors[f"blocks.{i}.layers.{j}.bias"])
+        torch.testing.assert_close(x @ tensors["lm_heads.0.weight"].T,
+                                   model.get_output_embeddings()(heads(h)[i]), rtol=0, atol=1e-5)
+    assert vllm_speculative_config(out, 5) == {"method": "medusa", "model": str(out), "num_speculative_tokens": 3}
+
+
+def test_eagle3_speculative_config(tmp_path: Path) -> None:
+    folder, _, _ = saved(tmp_path, "eagle3", 4)
+    out = export_for_serving(folder, tmp_path / "out", "vllm")
+    assert vllm_speculative_config(out, 5) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 5}
+
+
+@pytest.mark.parametrize(("family", "fmt"), [("eagle", "vllm"), ("early-exit", "vllm"), ("medusa", "sglang"),
+                                             ("medusa", "speculators")])
+def test_families_without_a_layout_are_refused(tmp_path: Path, family: str, fmt: str) -> None:
     folder, _, _ = saved(tmp_path, family, 4, **({"exit_layer": 1} if family == "early-exit" else {}))
-    with pytest.raises(SelfspecError, match=f"{family} heads cannot be exported to vllm"):
-        export_for_serving(folder, tmp_path / "out", "vllm")
+    with pytest.raises(SelfspecError, match=f"{family} heads cannot be exported to {fmt}"):
+        export_for_serving(folder, tmp_path / "out", fmt)
     assert not (tmp_path / "out").exists()
 
 

@@ -1,6 +1,8 @@
-"""Heads in the layouts serving engines load: vLLM's and SGLang's EAGLE-3 drafter, and the speculators format.
+"""Heads in the layouts serving engines load: vLLM's and SGLang's EAGLE-3 drafter, the speculators format, and
+vLLM's Medusa drafter.
 
     export_for_serving(heads_folder, out, "vllm" | "sglang" | "speculators", num_speculative_tokens=3)
+    vllm_speculative_config(out)  # {"method": "eagle3" | "medusa", "model": out, "num_speculative_tokens": k}
 
 writes ``out/config.json`` and ``out/model.safetensors``. Only the ``eagle3`` family has a place there: its
 tensors already carry the EAGLE-3 names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` as target id
@@ -16,8 +18,12 @@ leave missing ones uninitialised without an error, so the check has to be here).
                  ``norm_before_residual: false`` written out (the format's default is true), the verifier
                  and a greedy proposal of ``num_speculative_tokens``; ``vllm serve OUT`` alone serves it
 
-Other families refuse with one line: the ``eagle`` family's input norms (``feature_norm``, ``embed_norm``) and
-its own decoder layer's norms have no place in these layouts; Medusa's layout is not written yet.
+``medusa`` heads go to vLLM only (SGLang and speculators have no Medusa drafter): ``model_type: medusa``,
+``blocks.{i}.layers.{j}.{weight,bias}`` (``medusa_fc_bias: true``), and the target's own LM head once as
+``lm_heads.0.weight`` with ``original_lm_head: true`` (vLLM shares it among the heads, as selfspec does); vLLM
+drafts a chain of each head's top-1 token, fed the target's final (normed) hidden state, as selfspec's heads
+were trained. Other families refuse with one line: the ``eagle`` family's input norms (``feature_norm``,
+``embed_norm``) and its own decoder layer's norms have no place in these layouts.
 """
 
 from __future__ import annotations
@@ -116,10 +122,13 @@ def export_for_serving(folder: str | Path, out: str | Path, fmt: str = "vllm", b
         raise SelfspecError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
     meta = check_heads_folder(folder)
     family = meta["family"]
+    if family == "medusa" and fmt == "vllm":
+        return _export_medusa(folder, meta, Path(out), base, dtype)
     if family != "eagle3":
         why = {"eagle": "its input norms (feature_norm, embed_norm) and its layer's own norms have no place in "
                         "EAGLE-3's layout; train an eagle3 head to serve it there",
-               "medusa": "the Medusa layout is not written yet"}.get(family, "only eagle3 heads have a layout there")
+               "medusa": f"{fmt} has no Medusa drafter (export to vllm)"}.get(
+                   family, "only eagle3 heads (and medusa heads, for vllm) have a layout there")
         raise SelfspecError(f"{family} heads cannot be exported to {fmt}: {why}")
     layer, vocab, name = _layer_dict(meta, base)
     aux = list(meta["config"]["aux_layers"])
@@ -134,3 +143,55 @@ def export_for_serving(folder: str | Path, out: str | Path, fmt: str = "vllm", b
     config = _engine_config(layer, aux, vocab, fmt, name, num_speculative_tokens, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def medusa_tensor_names(num_heads: int, num_layers: int) -> dict[str, str]:
+    """selfspec's Medusa tensor names -> vLLM's (``Medusa`` with ``medusa_fc_bias``)."""
+    return {f"heads.{i}.{j}.linear.{p}": f"blocks.{i}.layers.{j}.{p}"
+            for i in range(num_heads) for j in range(num_layers) for p in ("weight", "bias")}
+
+
+def _export_medusa(folder: str | Path, meta: dict[str, Any], out: Path, base: str | None, dtype: torch.dtype) -> Path:
+    """vLLM's Medusa drafter: the residual blocks renamed, the target's LM head copied in once."""
+    from transformers import AutoModelForCausalLM
+
+    from ..heads.config import config_from_dict
+    from ..zoo import _from_pretrained, resolve
+
+    name = base or meta["base"].get("name_or_path")
+    if not name:
+        raise SelfspecError("the heads folder does not name its base model: pass base= (a zoo name, folder or hub id)")
+    config = config_from_dict("medusa", meta["config"])
+    names = medusa_tensor_names(config.num_heads, config.num_layers)
+    tensors = read_tensors(folder)
+    missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
+    if missing or unexpected:
+        raise SelfspecError(f"these tensors do not form Medusa heads: missing {missing}, unexpected {unexpected}")
+    target = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
+    head = target.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise SelfspecError(f"{name} has no plain LM head (a linear layer without bias) for vLLM's Medusa drafter")
+    hidden = head.weight.shape[1]
+    wrong = [k for k, v in tensors.items() if v.shape[-1] != hidden]
+    if wrong:
+        raise SelfspecError(f"the heads do not fit {name}'s hidden size {hidden}: {wrong[:3]}")
+    cast = {names[k]: v.to(dtype).contiguous() for k, v in tensors.items()}
+    cast["lm_heads.0.weight"] = head.weight.detach().to(dtype).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(cast, str(out / "model.safetensors"), metadata={"format": "pt"})
+    vocab = head.weight.shape[0]
+    engine = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": hidden,
+              "vocab_size": vocab, "truncated_vocab_size": vocab, "num_heads": config.num_heads,
+              "num_hidden_layers": config.num_layers, "medusa_fc_bias": True, "original_lm_head": True,
+              "torch_dtype": str(dtype).removeprefix("torch."), "base_model": resolve(name)}
+    (out / "config.json").write_text(json.dumps(engine, indent=2) + "\n")
+    return out
+
+
+def vllm_speculative_config(exported: str | Path, num_speculative_tokens: int = 3) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for a folder ``export_for_serving(..., "vllm")`` wrote: EAGLE-3 drafts
+    ``num_speculative_tokens``, Medusa one token per head."""
+    config = json.loads((Path(exported) / "config.json").read_text())
+    if config.get("model_type") == "medusa":
+        return {"method": "medusa", "model": str(exported), "num_speculative_tokens": config["num_heads"]}
+    return {"method": "eagle3", "model": str(exported), "num_speculative_tokens": num_speculative_tokens}
