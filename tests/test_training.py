@@ -112,10 +112,11 @@ def test_resume_reproduces_the_uninterrupted_run(family: str, chat_file: Path, t
     assert _losses(tmp_path / "full")[4:] == _losses(tmp_path / "cut")[4:]
 
 
-def test_an_exit_adapter_layer_trains_and_resumes_exactly(chat_file: Path, tmp_path: Path) -> None:
-    """Kangaroo-style early exit: the loss falls with the base frozen, a resumed run ends where the uninterrupted
-    one does, and the checkpoint drafts losslessly."""
-    tok, args = make_tokenizer(), {"exit_layer": 1, "adapter": "layer"}
+@pytest.mark.parametrize("adapter", ["layer", "lora"])
+def test_an_exit_adapter_trains_and_resumes_exactly(chat_file: Path, tmp_path: Path, adapter: str) -> None:
+    """Kangaroo-style early exit and LoRA on the first layer: the loss falls with the base frozen, a resumed run
+    ends where the uninterrupted one does, and the checkpoint drafts losslessly."""
+    tok, args = make_tokenizer(), {"exit_layer": 1, "adapter": adapter}
     model = tiny_model(0, vocab=VOCAB, layers=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     full = train(_cfg("early-exit", chat_file, tmp_path / "full", head_args=args, epochs=4), model, tok)
@@ -128,7 +129,8 @@ def test_an_exit_adapter_layer_trains_and_resumes_exactly(chat_file: Path, tmp_p
                     tiny_model(0, vocab=VOCAB, layers=2), tok)
     a, b = load_file(str(full / "heads.safetensors")), load_file(str(resumed / "heads.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(k.startswith("decoder.layers.0.") for k in a)
+    assert any(k.startswith("decoder.layers.0." if adapter == "layer" else "lora.0.q_proj.lora_B") for k in a)
+    assert (full / "peft" / "adapter_config.json").is_file() == (adapter == "lora")
     _, drafter = load_heads(model, full, tokenizer=tok)
     prompt = tok.encode("say it 3 abc def")
     got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=24, adaptive=False))

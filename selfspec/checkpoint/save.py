@@ -80,15 +80,21 @@ def save_heads(heads_module: nn.Module, base_model: nn.Module, folder: str | Pat
         "dtype": str(stored).removeprefix("torch."),
         "merged": merged,
     }
-    return _write_folder(folder, meta, tensors, max_shard_size)
+    _write_folder(folder, meta, tensors, max_shard_size)
+    companions = getattr(heads_module, "write_companions", None)  # e.g. a LoRA exit adapter's peft folder
+    if companions is not None:
+        companions(folder, base_model, base_name or meta["base"].get("name_or_path"))
+    return folder
 
 
 def export_heads(source: str | Path, folder: str | Path, dtype: torch.dtype | None = None,
                  max_shard_size: int | str | None = None) -> Path:
     """Copy a heads folder to ``folder`` with its weights cast to ``dtype`` and/or re-sharded; no base model needed.
 
-    The model card (README.md) and train_config.json come along when present.
+    The model card (README.md), train_config.json and a peft adapter folder come along when present.
     """
+    import shutil
+
     source, folder = Path(source), Path(folder)
     meta = read_heads_json(source)
     tensors = _cast(read_tensors(source), dtype)
@@ -96,9 +102,13 @@ def export_heads(source: str | Path, folder: str | Path, dtype: torch.dtype | No
     if dtype is not None:
         meta["dtype"] = str(dtype).removeprefix("torch.")
     _write_folder(folder, meta, tensors, max_shard_size)
+    if source.resolve() == folder.resolve():
+        return folder
     for extra in ("README.md", "train_config.json"):
-        if (source / extra).is_file() and source.resolve() != folder.resolve():
+        if (source / extra).is_file():
             (folder / extra).write_bytes((source / extra).read_bytes())
+    if (source / "peft").is_dir():
+        shutil.copytree(source / "peft", folder / "peft", dirs_exist_ok=True)
     return folder
 
 

@@ -111,6 +111,9 @@ class EarlyExitConfig(FamilyConfig):
                     attends over the exit states of the sequence so far; its MLP is ``adapter_intermediate_size``
                     wide (None: the hidden size); its output projections start at zero, so an untrained
                     adapter drafts what the plain exit drafts
+      "lora"        LoRA of rank ``lora_rank`` (scale ``lora_alpha / lora_rank``; None: alpha = 2 * rank) on every
+                    projection of the first ``exit_layer`` layers, active only in the drafter's copy of them
+                    (``exit_lora.py``); saved also as a peft adapter folder
     ``exit_layer`` None: a quarter of the target's layers (LayerSkip's choice for drafting).
     """
 
@@ -119,8 +122,12 @@ class EarlyExitConfig(FamilyConfig):
     exit_projection: bool = True
     adapter: str = "projection"
     adapter_intermediate_size: int | None = None
+    lora_rank: int = 16
+    lora_alpha: float | None = None
 
     def __post_init__(self) -> None:
+        if self.lora_rank < 1:
+            raise SelfspecError(f"early-exit lora_rank must be >= 1, got {self.lora_rank}")
         if self.adapter not in EXIT_ADAPTERS:
             raise SelfspecError(f"early-exit adapter must be one of {', '.join(EXIT_ADAPTERS)}, got '{self.adapter}'")
         if self.adapter_intermediate_size is not None and self.adapter_intermediate_size < 1:
@@ -134,10 +141,11 @@ class EarlyExitConfig(FamilyConfig):
         if not 1 <= layer <= n:
             raise SelfspecError(f"early-exit exit_layer must lie in [1, {n}] for this target, got {layer}")
         width = self.adapter_intermediate_size or (tc.hidden_size if self.adapter == "layer" else None)
-        return replace(self, exit_layer=layer, adapter_intermediate_size=width)
+        alpha = self.lora_alpha if self.lora_alpha is not None or self.adapter != "lora" else 2 * self.lora_rank
+        return replace(self, exit_layer=layer, adapter_intermediate_size=width, lora_alpha=alpha)
 
 
-EXIT_ADAPTERS = ("projection", "layer")
+EXIT_ADAPTERS = ("projection", "layer", "lora")
 
 
 HeadConfig = FamilyConfig  # any registered family's config dataclass

@@ -11,12 +11,14 @@ the exit state and the target's LM head:
                  head's (``AutoModel.from_config``, 1 layer, no embeddings, no final norm): it attends over the
                  exit states of the sequence so far, so it keeps its own one-layer KV cache; its attention and
                  MLP output projections start at zero (an untrained adapter is the plain exit)
+    lora         nothing after the exit: LoRA pairs on the first L layers' projections instead, active only in
+                 the drafter's shallow copy of those layers (``exit_lora.py``)
 
 KV cache. The target's cache layers 0 .. L-1 already hold exactly what the truncated model needs for
-the committed prefix. With the projection adapter, the engine's eager pass hands its cache to drafters
+the committed prefix (unless LoRA changes those layers). With the projection adapter, the engine's eager pass hands its cache to drafters
 (``ctx.target_cache``), so the drafter drafts straight into a view of those L layer objects and crops
 them back to the committed length afterwards: zero extra KV memory. Otherwise (the static pass, a layer
-adapter whose cache must see every exit state, or no target cache) the drafter keeps its own L-layer
+adapter whose cache must see every exit state, LoRA, or no target cache) the drafter keeps its own L-layer
 cache (+ the adapter's) and re-feeds what was committed since its last draft: L/N of the target's KV.
 """
 
@@ -40,14 +42,15 @@ from ..tree import DraftTree, chain
 from ..verify import cache_kwarg
 from .common import config_with_layers, lm_head, text_config, trained_parameter_count
 from .config import EarlyExitConfig
+from .exit_lora import build_pairs, lora_decoder, write_peft_folder
 
 # the output projections of transformers' attention and MLP blocks, zeroed so the adapter layer starts as identity
 OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
 
 
 class ExitAdapter(nn.Module):
-    """The trained part between the exit state and the LM head (``config.adapter``): a residual projection, or
-    one decoder layer over the sequence of exit states."""
+    """The trained part of early-exit drafting (``config.adapter``): a residual projection or one decoder layer
+    over the sequence of exit states (between the exit and the LM head), or LoRA pairs on the first L layers."""
 
     def __init__(self, config: EarlyExitConfig, target_config: PretrainedConfig) -> None:
         super().__init__()
@@ -69,6 +72,9 @@ class ExitAdapter(nn.Module):
             for name, module in self.decoder.named_modules():
                 if name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS and isinstance(module, nn.Linear):
                     nn.init.zeros_(module.weight)
+        self.lora = build_pairs(target_config, config.exit_layer, config.lora_rank) if config.adapter == "lora" \
+            else None
+        self.scaling = config.lora_alpha / config.lora_rank if self.lora is not None else None
 
     @property
     def sequential(self) -> bool:
@@ -79,10 +85,23 @@ class ExitAdapter(nn.Module):
         """An empty KV cache for the adapter layer (None for a per-position adapter)."""
         return DynamicCache(config=self.decoder.config) if self.decoder is not None else None
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, cache: Cache | None = None
-                ) -> torch.Tensor:
+    def exit_model(self, target: nn.Module) -> nn.Module:
+        """What computes the exit states from tokens: the target's first L layers (+ final norm), with LoRA."""
+        return lora_decoder(target, self) if self.lora is not None else truncated_decoder(target, self.config.exit_layer)
+
+    def write_companions(self, folder, target: nn.Module, base_name: str | None) -> None:
+        """Beside the checkpoint's tensors: a LoRA adapter's peft folder."""
+        if self.lora is not None:
+            write_peft_folder(self, target, folder, base_name)
+
+    def forward(self, hidden: torch.Tensor | None, position_ids: torch.Tensor | None = None, cache: Cache | None = None,
+                target: nn.Module | None = None, input_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, n, H) exit states at ``position_ids`` (B, n) -> (B, n, H) input of the LM head. A layer adapter
-        attends causally over ``cache`` (earlier exit states, appended to) and the n states; None: from 0."""
+        attends causally over ``cache`` (earlier exit states, appended to) and the n states; None: from 0.
+        LoRA (training, through any DDP wrapper): ``target`` and ``input_ids`` in, the adapted exit states out."""
+        if self.lora is not None and target is not None:
+            return self.exit_model(target)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         if self.decoder is not None:
             if position_ids is None:
                 position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None].expand(hidden.shape[0], -1)
@@ -140,16 +159,20 @@ class EarlyExitDrafter(Drafter):
     def __init__(self, target: nn.Module, adapter: ExitAdapter) -> None:
         self.target = target
         self.adapter = adapter.eval()
-        self.decoder = truncated_decoder(target, adapter.config.exit_layer)
+        self.decoder = adapter.exit_model(target)
         self.device = next(target.parameters()).device
 
     def _shared(self, ctx: DraftContext) -> Cache | None:
-        """The target's cache, where the drafter may draft inside it (a per-position adapter, an eager pass)."""
-        return None if self.adapter.sequential else getattr(ctx, "target_cache", None)
+        """The target's cache, where the drafter may draft inside it (a per-position adapter on unchanged layers,
+        an eager pass)."""
+        own = self.adapter.sequential or self.adapter.lora is not None
+        return None if own else getattr(ctx, "target_cache", None)
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> ExitState:
-        """Prefill own caches with the prompt but its last token (none when drafting in the target's)."""
+        """Prefill own caches with the prompt but its last token (none when drafting in the target's). The exit
+        model is rebuilt: it holds the target's modules as they are now (the static pass may have packed them)."""
+        self.decoder = self.adapter.exit_model(self.target)
         state = ExitState(DynamicCache(config=self.decoder.config), [], self.adapter.new_cache())
         prefix = ctx.tokens[:-1].tolist()
         if prefix and self._shared(ctx) is None:

@@ -3,6 +3,8 @@
 KL divergence to the target's own next-token distribution there, on assistant positions. A layer adapter
 reads the whole sequence of exit states causally (the cache it drafts with holds the same states: the
 first L layers run on every drafted token, so no step of drafting feeds it anything it did not train on).
+LoRA changes the first L layers themselves: its exit states are computed in the loss (through them, with the
+adapter), so only the target's final states are cached.
 """
 
 from __future__ import annotations
@@ -18,10 +20,24 @@ FEATURES = ("f", "exit")
 SETTINGS = ("exit_layer",)  # config fields the cached states depend on
 
 
+def feature_keys(config) -> tuple[str, ...]:
+    """What is cached for this config: no exit states under LoRA (they change as it trains)."""
+    return ("f",) if config.adapter == "lora" else FEATURES
+
+
+def _exits(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's exit states: cached, or (LoRA) computed through the adapted layers."""
+    if inner(adapter).config.adapter == "lora":
+        return adapter(None, target=target, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    return adapter(batch["exit"])
+
+
 @torch.no_grad()
 def features(target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
              attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """``f`` and ``exit``: the first ``exit_layer`` layers' state under the final norm."""
+    """``f``, and ``exit``: the first ``exit_layer`` layers' state under the final norm (not under LoRA)."""
+    if inner(heads).config.adapter == "lora":
+        return final_states(target, heads, input_ids, attention_mask)
     cut = truncated_decoder(target, inner(heads).config.exit_layer)
     exit_states = cut(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return {**final_states(target, heads, input_ids, attention_mask), "exit": exit_states}
@@ -30,10 +46,10 @@ def features(target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
 def loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg=None
          ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL(target || exit) of the next-token distributions on assistant positions."""
-    m, f, e = batch["loss_mask"].bool(), batch["f"], batch["exit"]
+    m, f = batch["loss_mask"].bool(), batch["f"]
     keep = torch.zeros_like(m)
     keep[:, :-1] = m[:, 1:]  # position t predicts token t+1
-    logp = F.log_softmax(lm_logits(target, adapter(e)[keep]).float(), -1)
+    logp = F.log_softmax(lm_logits(target, _exits(adapter, target, batch)[keep]).float(), -1)
     with torch.no_grad():
         teacher = F.log_softmax(lm_logits(target, f[keep]).float(), -1)
     kl = F.kl_div(logp, teacher, log_target=True, reduction="batchmean")
@@ -44,4 +60,4 @@ def loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], 
 def predictions(heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], depth: int
                 ) -> list[torch.Tensor]:
     """Depth 1 only, aligned as the other families': ``out[0][:, t]`` (the exit at t + 1) guesses the token at t + 2."""
-    return [lm_logits(target, heads(batch["exit"])).argmax(-1)[:, 1:]]  # heads: the whole sequence, causally
+    return [lm_logits(target, _exits(heads, target, batch)).argmax(-1)[:, 1:]]  # the whole sequence, causally

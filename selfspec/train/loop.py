@@ -56,7 +56,7 @@ def load_examples(cfg: TrainConfig, tokenizer, split: str, limit: int) -> list[d
 
 def with_features(batch: dict[str, torch.Tensor], cfg: TrainConfig, target, heads) -> dict[str, torch.Tensor]:
     """Add the target's states to a batch unless they came from the feature cache."""
-    if all(k in batch for k in feature_keys(cfg.family)):
+    if all(k in batch for k in feature_keys(heads)):
         return batch
     return {**batch, **target_features(cfg.family, target, heads, batch["input_ids"], batch["attention_mask"])}
 
@@ -158,7 +158,7 @@ def training_set(cfg: TrainConfig, accelerator, target, heads, examples: list[di
             with accelerator.autocast():  # the uncached path's precision (bf16 on AMX: 1.7x faster)
                 return target_features(cfg.family, target, heads, ids)
 
-        return build_feature_cache(features, examples, feature_keys(cfg.family),
+        return build_feature_cache(features, examples, feature_keys(heads),
                                    Path(cfg.feature_dir or out / "features"), accelerator.device, signature)
 
 

@@ -7,6 +7,7 @@ A family's objective is a module of this package (shared helpers: ``objective.py
 ``medusa.py``, ``eagle.py``, ``eagle3.py``, ``early_exit.py``), each with
 
     FEATURES        the target states it trains on (what the feature cache stores)
+    feature_keys(config) -> the same, where they depend on the head config (optional)
     SETTINGS        config fields those states depend on (optional)
     features(target, heads, input_ids, attention_mask) -> {key: (B, T, .)}
     loss(heads, target, batch, cfg) -> (loss, logs)
@@ -31,9 +32,12 @@ def objective(family: str) -> ModuleType:
     return importlib.import_module(FAMILIES[family].objective)
 
 
-def feature_keys(family: str) -> tuple[str, ...]:
-    """The target states a family trains on (what the feature cache stores)."""
-    return objective(family).FEATURES
+def feature_keys(heads: nn.Module) -> tuple[str, ...]:
+    """The target states these heads train on (what the feature cache stores)."""
+    config = inner(heads).config
+    module = objective(config.family)
+    keys = getattr(module, "feature_keys", None)
+    return keys(config) if keys is not None else module.FEATURES
 
 
 def feature_settings(heads: nn.Module) -> dict:

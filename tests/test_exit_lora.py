@@ -1,0 +1,148 @@
+"""Early exit with LoRA on the first L layers: lossless on every pass, off during verification (the target's logits
+bit-identical to the base's), starts as the plain exit, keeps its own cache, saves a peft folder that peft loads
+onto the base and that computes the same exit states, trains with the base frozen and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ALPHA, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy, perturb, prompt_for, tiny_model
+from selfspec.checkpoint import export_heads, load_heads, save_heads
+from selfspec.drafters.base import DraftContext, DraftRequest
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.errors import SelfspecError
+from selfspec.heads import init_heads, make_drafter
+from selfspec.heads.exit_lora import PROJECTIONS
+from selfspec.sampling import SamplingConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LORA = {"exit_layer": 2, "adapter": "lora", "lora_rank": 4}
+
+
+def lora_heads(model: torch.nn.Module, seed: int, scale: float = 0.3, **kw) -> torch.nn.Module:
+    return perturb(init_heads("early-exit", model, **{**LORA, **kw}), seed, scale)
+
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("seed", range(3))
+def test_lora_exit_is_lossless(seed: int, arch: str, backend: str) -> None:
+    model = tiny_model(seed, layers=3, arch=arch)
+    prompt = prompt_for(seed)
+    expected = hf_greedy(model, prompt, 30)
+    drafter = make_drafter(lora_heads(model, seed), model)
+    depth = [4, 6, 2][seed]
+    cfg = DecodeConfig(max_new_tokens=30, max_depth=depth, max_nodes=depth + 1, adaptive=False)
+    got = SpeculativeEngine(model, drafter, backend=backend).generate(prompt, cfg)
+    assert got.tokens == expected
+    assert got.stats.speculative_steps > 0
+
+
+def test_the_adapter_is_off_for_verification() -> None:
+    """After drafting with a strong adapter, the target computes exactly what it computed before (bit for bit) and
+    its module tree holds no LoRA; the drafter's layers do."""
+    model = tiny_model(4, layers=3)
+    ids = torch.tensor([prompt_for(4, 12)])
+    with torch.no_grad():
+        before = model(ids).logits
+    drafter = make_drafter(lora_heads(model, 4, 1.0), model)
+    ctx = DraftContext(ids[0], ids.shape[1] - 1)
+    tree, _ = drafter.propose(drafter.start(ctx), ctx, DraftRequest(5, 16, SamplingConfig()))
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(before, after)
+    assert not any("pair" in name or "lora" in name for name, _ in model.named_modules())
+    adapted = [name for name, m in drafter.decoder.named_modules() if type(m).__name__ == "LoraLinear"]
+    assert len(adapted) == 2 * len(PROJECTIONS)  # every projection of the first 2 layers
+    # the drafter's layers share the target's weights (no copy)
+    assert drafter.decoder.layers[0].self_attn.q_proj.base is model.model.layers[0].self_attn.q_proj
+
+
+def test_an_untrained_lora_adapter_drafts_what_the_plain_exit_drafts() -> None:
+    model = tiny_model(1, layers=3)
+    plain = make_drafter(init_heads("early-exit", model, exit_layer=2, exit_projection=False), model)
+    lora = make_drafter(init_heads("early-exit", model, **LORA), model)
+    ctx = DraftContext(torch.tensor(prompt_for(1, 12)), 11)
+    req = DraftRequest(5, 16, SamplingConfig())
+    a, _ = plain.propose(plain.start(ctx), ctx, req)
+    b, _ = lora.propose(lora.start(ctx), ctx, req)
+    assert a.tokens.tolist() == b.tokens.tolist()
+    trained, _ = make_drafter(lora_heads(model, 1, 2.0), model).propose(lora.start(ctx), ctx, req)
+    assert trained.tokens.tolist() != a.tokens.tolist()  # a perturbed adapter changes the draft
+
+
+def test_the_lora_drafter_keeps_its_own_cache_in_step() -> None:
+    model = tiny_model(2, layers=3)
+    drafter = make_drafter(lora_heads(model, 2), model)
+    req = DraftRequest(4, 16, SamplingConfig())
+    tokens = prompt_for(2, 10)
+    ctx = DraftContext(torch.tensor(tokens), len(tokens) - 1)
+    state = drafter.start(ctx)
+    for extra in ([7, 3], [9], [1, 1, 4]):
+        _, state = drafter.propose(state, ctx, req)
+        tokens = tokens + extra
+        ctx = DraftContext(torch.tensor(tokens), len(tokens) - 1)
+        state = drafter.observe(state, ctx)
+        incremental, state = drafter.propose(state, ctx, req)
+        fresh, _ = drafter.propose(drafter.start(ctx), ctx, req)
+        assert incremental.tokens.tolist() == fresh.tokens.tolist()
+    assert drafter.kv_bytes_per_token() > 0
+
+
+def test_sampling_with_a_lora_exit_is_lossless() -> None:
+    target = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
+    heads = perturb(init_heads("early-exit", target, exit_layer=1, adapter="lora", lora_rank=2), 3, 0.3)
+    engine = SpeculativeEngine(target, make_drafter(heads, target))
+    assert chi_square_pvalue(draw(engine, 2, n=1000), exact_joint(target)) > ALPHA
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_peft_folder_loads_with_peft_and_computes_the_same_exit(tmp_path: Path, arch: str) -> None:
+    peft = pytest.importorskip("peft")
+    model = tiny_model(5, layers=3, arch=arch)
+    heads = lora_heads(model, 5, 0.5)
+    folder = save_heads(heads, model, tmp_path / "heads", base_name="tiny")
+    config = json.loads((folder / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["layers_to_transform"] == [0, 1]
+    assert sorted(config["target_modules"]) == sorted(PROJECTIONS)
+    stored = load_file(str(folder / "peft" / "adapter_model.safetensors"))
+    assert len(stored) == 2 * 2 * len(PROJECTIONS)
+
+    base = tiny_model(5, layers=3, arch=arch)  # peft changes the model it wraps: a second copy of the base
+    wrapped = peft.PeftModel.from_pretrained(base, str(folder / "peft"))
+    q = wrapped.base_model.model.model.layers[1].self_attn.q_proj
+    assert torch.equal(q.lora_B["default"].weight, heads.lora[1]["q_proj"].lora_B.weight)
+    assert not hasattr(wrapped.base_model.model.model.layers[2].self_attn.q_proj, "lora_A")  # layer 2: untouched
+    ids = torch.tensor([prompt_for(5, 14)])
+    with torch.no_grad():
+        peft_states = wrapped(ids, output_hidden_states=True).hidden_states[2]  # after layer 2, before the norm
+        ours = heads.exit_model(model)(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(model.model.norm(peft_states), ours, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), wrapped.disable_adapter():  # and peft's adapter off is the base
+        assert torch.equal(wrapped(ids).logits, model(ids).logits)
+
+
+def test_lora_checkpoint_round_trip_and_export(tmp_path: Path) -> None:
+    model = tiny_model(3, layers=3, arch="qwen2")
+    heads = lora_heads(model, 3)
+    folder = save_heads(heads, model, tmp_path / "heads")
+    loaded, drafter = load_heads(model, folder)
+    assert loaded.config == heads.config and loaded.config.lora_alpha == 8
+    a, b = heads.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    prompt = prompt_for(3)
+    got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=20, adaptive=False))
+    assert got.tokens == hf_greedy(model, prompt, 20)
+    copy = export_heads(folder, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert (copy / "peft" / "adapter_model.safetensors").is_file()
+
+
+def test_bad_lora_settings_are_one_line_errors() -> None:
+    model = tiny_model(0, layers=3)
+    with pytest.raises(SelfspecError, match="lora_rank must be >= 1"):
+        init_heads("early-exit", model, adapter="lora", lora_rank=0)
