@@ -103,3 +103,42 @@ def test_bad_adapter_settings_are_one_line_errors() -> None:
         init_heads("early-exit", model, adapter="layer", adapter_intermediate_size=0)
     with pytest.raises(SelfspecError, match="exit_layer must lie in"):
         init_heads("early-exit", model, adapter="layer", exit_layer=7)
+
+
+@pytest.mark.parametrize("adapter", ["projection", "layer", "lora"])
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(adapter: str) -> None:
+    model = tiny_model(6, layers=3, arch="qwen2")
+    heads = perturb(init_heads("early-exit", model, exit_layer=1, adapter=adapter, draft_vocab_size=20), 6, 0.2)
+    counts = torch.zeros(64)
+    counts[torch.arange(0, 64, 3)] = torch.arange(22, 0, -1, dtype=torch.float)  # ids 0, 3, ..., 57 the 20 most frequent
+    heads.set_draft_vocab(counts)
+    allowed = set(range(0, 60, 3))
+    assert set(heads.draft_ids.tolist()) == allowed
+    drafter = make_drafter(heads, model)
+    ctx = DraftContext(torch.tensor(prompt_for(6, 12)), 11)
+    tree, _ = drafter.propose(drafter.start(ctx), ctx, DraftRequest(6, 16, SamplingConfig()))
+    assert len(tree.tokens) == 7 and set(tree.tokens[1:].tolist()) <= allowed
+    prompt = prompt_for(6)
+    for backend in ("eager", "static"):
+        got = SpeculativeEngine(model, drafter, backend=backend).generate(
+            prompt, DecodeConfig(max_new_tokens=30, max_depth=4, adaptive=False))
+        assert got.tokens == hf_greedy(model, prompt, 30)
+    assert drafter.adapter.config.copied_parameters(64, 32) == 20 * 32  # the rows the memory prediction counts
+    with pytest.raises(SelfspecError, match="draft_vocab_size must lie in"):
+        init_heads("early-exit", model, draft_vocab_size=65)
+
+
+def test_sampling_with_a_draft_vocabulary_is_lossless() -> None:
+    target = tiny_model(12, vocab=SAMPLING_VOCAB, hidden=16)
+    heads = perturb(init_heads("early-exit", target, exit_layer=1, draft_vocab_size=5), 4, 0.2)
+    heads.set_draft_vocab(torch.tensor([5.0, 1, 4, 0, 3, 2, 6, 7]))  # drafts never propose tokens 1, 3, 5
+    engine = SpeculativeEngine(target, make_drafter(heads, target))
+    assert chi_square_pvalue(draw(engine, 2, n=1000), exact_joint(target)) > ALPHA
+
+
+def test_a_draft_vocabulary_round_trips(tmp_path) -> None:
+    model = tiny_model(3, layers=3)
+    heads = init_heads("early-exit", model, exit_layer=2, draft_vocab_size=10)
+    heads.set_draft_vocab(torch.arange(64, dtype=torch.float))  # the 10 highest ids
+    loaded, _ = load_heads(model, save_heads(heads, model, tmp_path / "heads"))
+    assert loaded.draft_ids.tolist() == list(range(54, 64))

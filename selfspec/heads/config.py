@@ -115,6 +115,9 @@ class EarlyExitConfig(FamilyConfig):
                     projection of the first ``exit_layer`` layers, active only in the drafter's copy of them
                     (``exit_lora.py``); saved also as a peft adapter folder
     ``exit_layer`` None: a quarter of the target's layers (LayerSkip's choice for drafting).
+    ``draft_vocab_size``: draft over the most frequent tokens of the training data only (a slice of the target's
+    LM head rows, gathered once per generation: on a small model the LM head costs more than the first layers);
+    None: the whole vocabulary.
     """
 
     family: ClassVar[str] = "early-exit"
@@ -124,6 +127,7 @@ class EarlyExitConfig(FamilyConfig):
     adapter_intermediate_size: int | None = None
     lora_rank: int = 16
     lora_alpha: float | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.lora_rank < 1:
@@ -142,7 +146,17 @@ class EarlyExitConfig(FamilyConfig):
             raise SelfspecError(f"early-exit exit_layer must lie in [1, {n}] for this target, got {layer}")
         width = self.adapter_intermediate_size or (tc.hidden_size if self.adapter == "layer" else None)
         alpha = self.lora_alpha if self.lora_alpha is not None or self.adapter != "lora" else 2 * self.lora_rank
-        return replace(self, exit_layer=layer, adapter_intermediate_size=width, lora_alpha=alpha)
+        vocab = self.draft_vocab_size
+        if vocab is not None and not 1 <= vocab <= tc.vocab_size:
+            raise SelfspecError(f"early-exit draft_vocab_size must lie in [1, {tc.vocab_size}], got {vocab}")
+        vocab = None if vocab == tc.vocab_size else vocab
+        return replace(self, exit_layer=layer, adapter_intermediate_size=width, lora_alpha=alpha,
+                       draft_vocab_size=vocab)
+
+    def copied_parameters(self, vocab_size: int, hidden_size: int) -> int:
+        """The draft vocabulary's rows of the target's LM head, gathered when drafting starts."""
+        vocab = self.draft_vocab_size
+        return vocab * hidden_size if vocab and vocab < vocab_size else 0
 
 
 EXIT_ADAPTERS = ("projection", "layer", "lora")

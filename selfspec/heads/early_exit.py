@@ -40,7 +40,7 @@ from ..memory import kv_bytes_per_token, model_dtype
 from ..sequence import common_prefix
 from ..tree import DraftTree, chain
 from ..verify import cache_kwarg
-from .common import config_with_layers, lm_head, text_config, trained_parameter_count
+from .common import config_with_layers, lm_head, lm_head_rows, text_config, trained_parameter_count
 from .config import EarlyExitConfig
 from .exit_lora import build_pairs, lora_decoder, write_peft_folder
 
@@ -75,6 +75,16 @@ class ExitAdapter(nn.Module):
         self.lora = build_pairs(target_config, config.exit_layer, config.lora_rank) if config.adapter == "lora" \
             else None
         self.scaling = config.lora_alpha / config.lora_rank if self.lora is not None else None
+        if config.draft_vocab_size is not None:  # target ids drafted over, sorted (set from data counts)
+            self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size))
+        else:
+            self.draft_ids = None
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_counts: torch.Tensor) -> None:
+        """Draft over the ``draft_vocab_size`` most frequent tokens (counts per target id, e.g. from training data)."""
+        top = token_counts.float().topk(self.draft_ids.numel()).indices.sort().values
+        self.draft_ids.copy_(top.to(self.draft_ids.device))
 
     @property
     def sequential(self) -> bool:
@@ -161,6 +171,7 @@ class EarlyExitDrafter(Drafter):
         self.adapter = adapter.eval()
         self.decoder = adapter.exit_model(target)
         self.device = next(target.parameters()).device
+        self.rows = None  # (draft ids, their LM head rows, bias) with a draft vocabulary, gathered in start()
 
     def _shared(self, ctx: DraftContext) -> Cache | None:
         """The target's cache, where the drafter may draft inside it (a per-position adapter on unchanged layers,
@@ -173,6 +184,8 @@ class EarlyExitDrafter(Drafter):
         """Prefill own caches with the prompt but its last token (none when drafting in the target's). The exit
         model is rebuilt: it holds the target's modules as they are now (the static pass may have packed them)."""
         self.decoder = self.adapter.exit_model(self.target)
+        ids = self.adapter.draft_ids
+        self.rows = None if ids is None else (ids, *lm_head_rows(self.target, ids))
         state = ExitState(DynamicCache(config=self.decoder.config), [], self.adapter.new_cache())
         prefix = ctx.tokens[:-1].tolist()
         if prefix and self._shared(ctx) is None:
@@ -187,7 +200,12 @@ class EarlyExitDrafter(Drafter):
         exits = out.last_hidden_state
         if not self.adapter.sequential:
             exits = exits[:, -1:]  # a per-position adapter needs the last state only
-        return lm_head(self.target)(self.adapter(exits, pos[:, -exits.shape[1]:], adapter_cache)[0, -1])
+        h = self.adapter(exits, pos[:, -exits.shape[1]:], adapter_cache)[0, -1]
+        if self.rows is None:
+            return lm_head(self.target)(h)
+        ids, weight, bias = self.rows  # the draft vocabulary's logits; -inf elsewhere (probability 0 in q)
+        full = h.new_full((lm_head(self.target).out_features,), float("-inf"))
+        return full.index_copy_(0, ids.to(h.device), nn.functional.linear(h, weight.to(h.dtype), bias))
 
     @torch.no_grad()
     def propose(self, state: ExitState, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, ExitState]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..heads.early_exit import truncated_decoder
-from .objective import final_states, inner, lm_logits
+from .objective import draft_vocab_counts, final_states, inner, lm_logits
 
 FEATURES = ("f", "exit")
 SETTINGS = ("exit_layer",)  # config fields the cached states depend on
@@ -60,4 +60,14 @@ def loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], 
 def predictions(heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], depth: int
                 ) -> list[torch.Tensor]:
     """Depth 1 only, aligned as the other families': ``out[0][:, t]`` (the exit at t + 1) guesses the token at t + 2."""
-    return [lm_logits(target, _exits(heads, target, batch)).argmax(-1)[:, 1:]]  # the whole sequence, causally
+    ids = inner(heads).draft_ids  # a draft vocabulary: the argmax over it, as the drafter takes it
+    logits = lm_logits(target, _exits(heads, target, batch), ids)  # the whole sequence, causally
+    guess = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
+    return [guess[:, 1:]]
+
+
+def prepare(heads: nn.Module, target: nn.Module, examples: list[dict[str, torch.Tensor]]) -> None:
+    """A draft vocabulary, if the config asks for one: the most frequent assistant tokens of the data."""
+    h = inner(heads)
+    if h.draft_ids is not None:
+        h.set_draft_vocab(draft_vocab_counts(examples, target.get_output_embeddings().out_features))
