@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m selfspec_eval.vllm_batches``: the model options, the heads, the batch sizes."""
     p = OneLineParser(prog="vllm_batches", description=__doc__.split("\n")[0])
     add_model_options(p)
-    p.add_argument("--heads", required=True, help="an eagle3 heads folder (exported for vLLM on the fly)")
+    p.add_argument("--heads", required=True, help="an eagle3 or medusa heads folder (exported for vLLM on the fly)")
     p.add_argument("--batch", default="1,4,16", help="batch sizes, comma-separated")
     p.add_argument("--spec-tokens", type=positive_int, default=3, help="vLLM's draft chain length")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
