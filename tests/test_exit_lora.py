@@ -72,7 +72,8 @@ def test_an_untrained_lora_adapter_drafts_what_the_plain_exit_drafts() -> None:
     a, _ = plain.propose(plain.start(ctx), ctx, req)
     b, _ = lora.propose(lora.start(ctx), ctx, req)
     assert a.tokens.tolist() == b.tokens.tolist()
-    trained, _ = make_drafter(lora_heads(model, 1, 2.0), model).propose(lora.start(ctx), ctx, req)
+    strong = make_drafter(lora_heads(model, 1, 2.0), model)
+    trained, _ = strong.propose(strong.start(ctx), ctx, req)
     assert trained.tokens.tolist() != a.tokens.tolist()  # a perturbed adapter changes the draft
 
 

@@ -169,7 +169,9 @@ class EarlyExitDrafter(Drafter):
     def __init__(self, target: nn.Module, adapter: ExitAdapter) -> None:
         self.target = target
         self.adapter = adapter.eval()
-        self.decoder = adapter.exit_model(target)
+        # LoRA's copy of the layers holds the target's linears as they are when built: built in start(), after
+        # the static pass has packed them (built now it would keep the dense weights alive beside the packed ones)
+        self.decoder = None if adapter.lora is not None else adapter.exit_model(target)
         self.device = next(target.parameters()).device
         self.rows = None  # (draft ids, their LM head rows, bias) with a draft vocabulary, gathered in start()
 
@@ -232,8 +234,11 @@ class EarlyExitDrafter(Drafter):
         return chain(tokens[-1], out.tokens, out.draft_probs), state
 
     def extra_parameters(self) -> int:
-        """The exit adapter's trained parameters (the truncated model shares the target's)."""
-        return trained_parameter_count(self.adapter)
+        """The exit adapter's trained parameters (the truncated model shares the target's), plus the LM-head rows
+        a draft vocabulary gathers (a copy)."""
+        rows = self.adapter.config.copied_parameters(lm_head(self.target).out_features,
+                                                     text_config(self.target.config).hidden_size)
+        return trained_parameter_count(self.adapter) + rows
 
     def kv_bytes_per_token(self) -> int:
         """The drafter's own cache, where it keeps one (the static pass, a layer adapter): the first L layers'
