@@ -140,7 +140,8 @@ def test_lora_checkpoint_round_trip_and_export(tmp_path: Path) -> None:
     got = SpeculativeEngine(model, drafter).generate(prompt, DecodeConfig(max_new_tokens=20, adaptive=False))
     assert got.tokens == hf_greedy(model, prompt, 20)
     copy = export_heads(folder, tmp_path / "bf16", dtype=torch.bfloat16)
-    assert (copy / "peft" / "adapter_model.safetensors").is_file()
+    cast = load_file(str(copy / "peft" / "adapter_model.safetensors"))
+    assert len(cast) == 2 * 2 * len(PROJECTIONS) and all(t.dtype == torch.bfloat16 for t in cast.values())
 
 
 def test_bad_lora_settings_are_one_line_errors() -> None:

@@ -107,8 +107,13 @@ def export_heads(source: str | Path, folder: str | Path, dtype: torch.dtype | No
     for extra in ("README.md", "train_config.json"):
         if (source / extra).is_file():
             (folder / extra).write_bytes((source / extra).read_bytes())
-    if (source / "peft").is_dir():
+    if (source / "peft").is_dir():  # a LoRA exit adapter's peft folder, its tensors cast as the others
         shutil.copytree(source / "peft", folder / "peft", dirs_exist_ok=True)
+        weights = folder / "peft" / "adapter_model.safetensors"
+        if dtype is not None and weights.is_file():
+            from safetensors.torch import load_file
+
+            save_file(_cast(load_file(str(weights)), dtype), str(weights), metadata={"format": "pt"})
     return folder
 
 
