@@ -97,7 +97,8 @@ class ExitAdapter(nn.Module):
 
     def exit_model(self, target: nn.Module) -> nn.Module:
         """What computes the exit states from tokens: the target's first L layers (+ final norm), with LoRA."""
-        return lora_decoder(target, self) if self.lora is not None else truncated_decoder(target, self.config.exit_layer)
+        cut = truncated_decoder(target, self.config.exit_layer)
+        return lora_decoder(cut, self) if self.lora is not None else cut
 
     def write_companions(self, folder, target: nn.Module, base_name: str | None) -> None:
         """Beside the checkpoint's tensors: a LoRA adapter's peft folder."""

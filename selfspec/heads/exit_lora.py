@@ -105,17 +105,15 @@ def adapted_layer(layer: nn.Module, pairs: nn.ModuleDict, scaling: float) -> nn.
     return new
 
 
-def lora_decoder(target: nn.Module, adapter: nn.Module) -> nn.Module:
-    """The target's first L layers (+ final norm) with ``adapter``'s LoRA pairs active; shares every weight."""
-    from .early_exit import truncated_decoder
-
-    cut = truncated_decoder(target, len(adapter.lora))
+def lora_decoder(cut: nn.Module, adapter: nn.Module) -> nn.Module:
+    """``cut`` (the target's first L layers + final norm, sharing its modules: ``early_exit.truncated_decoder``)
+    with ``adapter``'s LoRA pairs active in shallow copies of its layers; shares every weight."""
     for name, child in list(cut.named_children()):
         if isinstance(child, nn.ModuleList) and len(child) == len(adapter.lora):
             setattr(cut, name, nn.ModuleList(adapted_layer(layer, pairs, adapter.scaling)
                                              for layer, pairs in zip(child, adapter.lora)))
             return cut
-    raise SelfspecError(f"could not find the decoder layers of {type(target).__name__} to adapt")
+    raise SelfspecError(f"could not find the decoder layers of {type(cut).__name__} to adapt")
 
 
 def _module_names(target: nn.Module, num_layers: int) -> dict[tuple[int, str], str]:
