@@ -17,16 +17,18 @@ from selfspec.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYER = {"exit_layer": 1, "adapter": "layer"}
+LORA = {"exit_layer": 2, "adapter": "lora", "lora_rank": 4}  # LoRA on the first layers themselves (exit_lora.py)
 
 
+@pytest.mark.parametrize("adapter", [LAYER, LORA], ids=["layer", "lora"])
 @pytest.mark.parametrize("backend", ["eager", "static"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("seed", range(3))
-def test_layer_adapter_is_lossless(seed: int, arch: str, backend: str) -> None:
+def test_exit_adapter_is_lossless(seed: int, arch: str, backend: str, adapter: dict) -> None:
     model = tiny_model(seed, layers=3, arch=arch)
     prompt = prompt_for(seed)
     expected = hf_greedy(model, prompt, 30)
-    drafter = make_drafter(perturb(init_heads("early-exit", model, **LAYER), seed, 0.2), model)
+    drafter = make_drafter(perturb(init_heads("early-exit", model, **adapter), seed, 0.2), model)
     depth = [4, 6, 2][seed]
     cfg = DecodeConfig(max_new_tokens=30, max_depth=depth, max_nodes=depth + 1, adaptive=False)
     got = SpeculativeEngine(model, drafter, backend=backend).generate(prompt, cfg)
@@ -56,10 +58,11 @@ def test_an_untrained_layer_adapter_drafts_what_the_plain_exit_drafts() -> None:
     assert a.tokens.tolist() == b.tokens.tolist()
 
 
-def test_the_adapter_cache_follows_the_committed_tokens() -> None:
+@pytest.mark.parametrize("adapter", [LAYER, LORA], ids=["layer", "lora"])
+def test_the_adapter_cache_follows_the_committed_tokens(adapter: dict) -> None:
     """Drafting after commits (caches cropped and re-fed) equals drafting from a fresh start at that context."""
     model = tiny_model(2, layers=3)
-    drafter = make_drafter(perturb(init_heads("early-exit", model, **LAYER), 2, 0.3), model)
+    drafter = make_drafter(perturb(init_heads("early-exit", model, **adapter), 2, 0.3), model)
     req = DraftRequest(4, 16, SamplingConfig())
     tokens = prompt_for(2, 10)
     ctx = DraftContext(torch.tensor(tokens), len(tokens) - 1)
@@ -75,9 +78,10 @@ def test_the_adapter_cache_follows_the_committed_tokens() -> None:
     assert drafter.kv_bytes_per_token() > 0  # its own caches are counted
 
 
-def test_sampling_with_a_layer_adapter_is_lossless() -> None:
+@pytest.mark.parametrize("adapter", [LAYER, {**LORA, "exit_layer": 1}], ids=["layer", "lora"])
+def test_sampling_with_an_exit_adapter_is_lossless(adapter: dict) -> None:
     target = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
-    heads = perturb(init_heads("early-exit", target, **LAYER), 3, 0.2)
+    heads = perturb(init_heads("early-exit", target, **adapter), 3, 0.2)
     engine = SpeculativeEngine(target, make_drafter(heads, target))
     assert chi_square_pvalue(draw(engine, 2, n=1000), exact_joint(target)) > ALPHA
 

@@ -1,6 +1,7 @@
-"""Early exit with LoRA on the first L layers: lossless on every pass, off during verification (the target's logits
-bit-identical to the base's), starts as the plain exit, keeps its own cache, saves a peft folder that peft loads
-onto the base and that computes the same exit states, trains with the base frozen and resumes exactly."""
+"""Early exit with LoRA on the first L layers: off during verification (the target's logits bit-identical to the
+base's), starts as the plain exit, saves a peft folder that peft loads onto the base and that computes the same exit
+states. (Lossless greedy and sampling and the own cache: ``test_exit_adapter.py``, for every adapter kind;
+training and exact resume: ``test_training.py``.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ALPHA, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy, perturb, prompt_for, tiny_model
+from conftest import hf_greedy, perturb, prompt_for, tiny_model
 from selfspec.checkpoint import export_heads, load_heads, save_heads
 from selfspec.drafters.base import DraftContext, DraftRequest
 from selfspec.engine import DecodeConfig, SpeculativeEngine
@@ -26,21 +27,6 @@ LORA = {"exit_layer": 2, "adapter": "lora", "lora_rank": 4}
 
 def lora_heads(model: torch.nn.Module, seed: int, scale: float = 0.3, **kw) -> torch.nn.Module:
     return perturb(init_heads("early-exit", model, **{**LORA, **kw}), seed, scale)
-
-
-@pytest.mark.parametrize("backend", ["eager", "static"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("seed", range(3))
-def test_lora_exit_is_lossless(seed: int, arch: str, backend: str) -> None:
-    model = tiny_model(seed, layers=3, arch=arch)
-    prompt = prompt_for(seed)
-    expected = hf_greedy(model, prompt, 30)
-    drafter = make_drafter(lora_heads(model, seed), model)
-    depth = [4, 6, 2][seed]
-    cfg = DecodeConfig(max_new_tokens=30, max_depth=depth, max_nodes=depth + 1, adaptive=False)
-    got = SpeculativeEngine(model, drafter, backend=backend).generate(prompt, cfg)
-    assert got.tokens == expected
-    assert got.stats.speculative_steps > 0
 
 
 def test_the_adapter_is_off_for_verification() -> None:
@@ -75,31 +61,6 @@ def test_an_untrained_lora_adapter_drafts_what_the_plain_exit_drafts() -> None:
     strong = make_drafter(lora_heads(model, 1, 2.0), model)
     trained, _ = strong.propose(strong.start(ctx), ctx, req)
     assert trained.tokens.tolist() != a.tokens.tolist()  # a perturbed adapter changes the draft
-
-
-def test_the_lora_drafter_keeps_its_own_cache_in_step() -> None:
-    model = tiny_model(2, layers=3)
-    drafter = make_drafter(lora_heads(model, 2), model)
-    req = DraftRequest(4, 16, SamplingConfig())
-    tokens = prompt_for(2, 10)
-    ctx = DraftContext(torch.tensor(tokens), len(tokens) - 1)
-    state = drafter.start(ctx)
-    for extra in ([7, 3], [9], [1, 1, 4]):
-        _, state = drafter.propose(state, ctx, req)
-        tokens = tokens + extra
-        ctx = DraftContext(torch.tensor(tokens), len(tokens) - 1)
-        state = drafter.observe(state, ctx)
-        incremental, state = drafter.propose(state, ctx, req)
-        fresh, _ = drafter.propose(drafter.start(ctx), ctx, req)
-        assert incremental.tokens.tolist() == fresh.tokens.tolist()
-    assert drafter.kv_bytes_per_token() > 0
-
-
-def test_sampling_with_a_lora_exit_is_lossless() -> None:
-    target = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
-    heads = perturb(init_heads("early-exit", target, exit_layer=1, adapter="lora", lora_rank=2), 3, 0.3)
-    engine = SpeculativeEngine(target, make_drafter(heads, target))
-    assert chi_square_pvalue(draw(engine, 2, n=1000), exact_joint(target)) > ALPHA
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -184,9 +184,11 @@ class EarlyExitDrafter(Drafter):
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> ExitState:
-        """Prefill own caches with the prompt but its last token (none when drafting in the target's). The exit
-        model is rebuilt: it holds the target's modules as they are now (the static pass may have packed them)."""
-        self.decoder = self.adapter.exit_model(self.target)
+        """Prefill own caches with the prompt but its last token (none when drafting in the target's). LoRA's copy
+        of the layers is rebuilt: it holds the target's linears as they are now (the static pass may have packed
+        them); the plain truncated model shares the target's layer modules, so it follows them by itself."""
+        if self.adapter.lora is not None:  # the copy holds the target's linears: take them as they are now
+            self.decoder = self.adapter.exit_model(self.target)
         ids = self.adapter.draft_ids
         self.rows = None if ids is None else (ids, *lm_head_rows(self.target, ids))
         state = ExitState(DynamicCache(config=self.decoder.config), [], self.adapter.new_cache())
