@@ -4,11 +4,13 @@
         --heads checkpoints/qwen2.5-coder-1.5b-instruct-eagle runs/heads/q3/qwen2.5-coder-1.5b-instruct-eagle3 \\
         --data runs/data/qwen-selfdistill.jsonl,runs/data/qwen-code-mix.jsonl --examples 32
 
-The measure is the one training logs at each epoch's end (``selfspec.train.losses.depth_accuracy``): on the
+Top-1 by depth is the measure training logs at each epoch's end (``selfspec.train.losses.depth_accuracy``): on the
 assistant tokens of held-out conversations (the deterministic split by id that training leaves out), how
 often the heads' depth-d guess equals the target's greedy token, teacher-forced. Every checkpoint sees the
 same conversations, the target's states computed once per batch, so families compare on equal terms
-whatever data each was trained on.
+whatever data each was trained on. Beside it, the whole-chain measure: of the roots, the share whose guesses are
+right at every depth up to d, the teacher-forced counterpart of a chain's acceptance at position d (which
+`selfspec bench` and vLLM report).
 """
 
 from __future__ import annotations
@@ -26,7 +28,29 @@ from selfspec.memory import model_dtype
 from selfspec.options import OneLineParser, add_model_options, load_target, positive_int, run_command
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import TokenDataset, pad_batch
-from selfspec.train.loop import EVAL_DEPTH, evaluate, load_examples
+from selfspec.train.losses import chain_accuracy, depth_hits
+from selfspec.train.loop import EVAL_DEPTH, load_examples, with_features
+
+
+def accuracies(cfg: TrainConfig, heads, target, loader, device) -> tuple[list[float], list[float]]:
+    """Held-out top-1 by depth, and the share of roots whose guesses are right at every depth up to d (what a
+    drafted chain gets accepted at position d), both teacher-forced, up to ``EVAL_DEPTH``."""
+    sums = {name: ([0] * EVAL_DEPTH, [0] * EVAL_DEPTH) for name in ("depth", "chain")}
+    heads.eval()
+    for batch in loader:
+        batch = with_features({k: v.to(device) for k, v in batch.items()}, cfg, target, heads)
+        hits = depth_hits(cfg.family, heads, target, batch, EVAL_DEPTH)
+        by_depth = [(int((hit & keep).sum()), int(keep.sum())) for hit, keep in hits]
+        for name, counts in (("depth", by_depth), ("chain", list(zip(*chain_accuracy(hits))))):
+            for d, (c, t) in enumerate(counts):
+                sums[name][0][d] += c
+                sums[name][1][d] += t
+    return tuple([c / t for c, t in zip(*sums[name]) if t] for name in ("depth", "chain"))
+
+
+def cells(acc: list[float]) -> str:
+    """Accuracies to depth ``EVAL_DEPTH``, '-' where a family drafts fewer (Medusa: its heads; early exit: 1)."""
+    return " ".join([f"{a:.3f}" for a in acc] + ["-"] * (EVAL_DEPTH - len(acc)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,15 +66,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}, {dtype_name(model_dtype(target))}: {len(examples)} held-out conversations of "
           f"{args.data}, {tokens} assistant tokens")
     loader = DataLoader(TokenDataset(examples), batch_size=args.batch_size, collate_fn=pad_batch)
-    print("| heads | family | " + " | ".join(f"depth {d}" for d in range(1, EVAL_DEPTH + 1)) + " |")
-    print("|---|---|" + "---|" * EVAL_DEPTH)
+    print("| heads | family | top-1 by depth 1..4 | whole chain right to depth 1..4 |")
+    print("|---|---|---|---|")
+    device = next(target.parameters()).device
     for folder in args.heads:
         heads, _ = load_heads(target, folder, tokenizer=tok)
         cfg.family = heads.config.family
-        with torch.inference_mode():
-            acc = evaluate(cfg, heads, target, loader, next(target.parameters()).device)
-        cells = [f"{a:.3f}" for a in acc] + ["-"] * (EVAL_DEPTH - len(acc))  # Medusa: its heads; early exit: 1
-        print(f"| {folder} | {cfg.family} | " + " | ".join(cells) + " |", flush=True)
+        depth, chain = accuracies(cfg, heads, target, loader, device)
+        print(f"| {folder} | {cfg.family} | {cells(depth)} | {cells(chain)} |", flush=True)
     return 0
 
 

@@ -67,26 +67,48 @@ def prepare_heads(family: str, heads: nn.Module, target: nn.Module, examples: li
 
 
 @torch.no_grad()
-def depth_accuracy(family: str, heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor],
-                   max_depth: int = 4) -> tuple[list[int], list[int]]:
-    """(correct, total) top-1 counts per draft depth against the *target's* greedy token, on assistant positions.
+def depth_hits(family: str, heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor],
+               max_depth: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per draft depth d, boolean (B, n_d) over roots j: (the depth-d guess from root j equals the *target's*
+    greedy token there, that token is an assistant token).
 
     The target's greedy token after each true prefix (argmax of its LM head on ``f``) is what greedy
     verification accepts, so this is teacher-forced acceptance; on self-distilled data it is also the
     data's token. Depth d means: the token d places after the root (the family's ``predictions``: Medusa
     head d-1; EAGLE unrolled d times on its own outputs with teacher-forced tokens, the cache a depth-d draft
-    sees; early exit depth 1 only).
+    sees; early exit depth 1 only). Column j is the same root at every depth.
     """
     x, m = batch["input_ids"], batch["loss_mask"].bool()
-    correct, total = [0] * max_depth, [0] * max_depth
-    T = x.shape[1]
+    T, hits = x.shape[1], []
     greedy = torch.cat([x[:, :1], lm_logits(target, batch["f"][:, :-1]).argmax(-1)], dim=1)  # greedy[:, j] follows x[:, :j]
     for d, predicted in enumerate(objective(family).predictions(heads, target, batch, max_depth), start=1):
         first = d + 1  # predicted[:, j] guesses greedy[:, first + j]
         n = min(predicted.shape[1], T - first)
         if n <= 0:
-            continue
-        keep = m[:, first:first + n]
-        correct[d - 1] += int(((predicted[:, :n] == greedy[:, first:first + n]) & keep).sum())
-        total[d - 1] += int(keep.sum())
+            break
+        hits.append((predicted[:, :n] == greedy[:, first:first + n], m[:, first:first + n]))
+    return hits
+
+
+def depth_accuracy(family: str, heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor],
+                   max_depth: int = 4) -> tuple[list[int], list[int]]:
+    """(correct, total) top-1 counts per draft depth on assistant positions (see :func:`depth_hits`)."""
+    correct, total = [0] * max_depth, [0] * max_depth
+    for d, (hit, keep) in enumerate(depth_hits(family, heads, target, batch, max_depth)):
+        correct[d] += int((hit & keep).sum())
+        total[d] += int(keep.sum())
+    return correct, total
+
+
+def chain_accuracy(hits: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[int], list[int]]:
+    """(correct, total) per depth d of whole chains: of the roots whose first drafted token is an assistant token,
+    how many have depths 1..d all right, i.e. how often greedy verification accepts a drafted chain's d-th
+    token (teacher-forced: every depth fed the true tokens, which an accepted chain's are)."""
+    correct, total, run = [], [], None
+    root = hits[0][1] if hits else None
+    for hit, keep in hits:
+        n = hit.shape[1]
+        run = hit & keep if run is None else run[:, :n] & hit & keep
+        correct.append(int((run & root[:, :n]).sum()))
+        total.append(int(root[:, :n].sum()))
     return correct, total
