@@ -28,7 +28,7 @@ from selfspec.memory import model_dtype
 from selfspec.options import OneLineParser, add_model_options, load_target, positive_int, run_command
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import TokenDataset, pad_batch
-from selfspec.train.losses import chain_accuracy, depth_hits
+from selfspec.train.losses import chain_accuracy, depth_counts, depth_hits
 from selfspec.train.loop import EVAL_DEPTH, load_examples, with_features
 
 
@@ -40,9 +40,8 @@ def accuracies(cfg: TrainConfig, heads, target, loader, device) -> tuple[list[fl
     for batch in loader:
         batch = with_features({k: v.to(device) for k, v in batch.items()}, cfg, target, heads)
         hits = depth_hits(cfg.family, heads, target, batch, EVAL_DEPTH)
-        by_depth = [(int((hit & keep).sum()), int(keep.sum())) for hit, keep in hits]
-        for name, counts in (("depth", by_depth), ("chain", list(zip(*chain_accuracy(hits))))):
-            for d, (c, t) in enumerate(counts):
+        for name, (correct, total) in (("depth", depth_counts(hits)), ("chain", chain_accuracy(hits))):
+            for d, (c, t) in enumerate(zip(correct, total)):
                 sums[name][0][d] += c
                 sums[name][1][d] += t
     return tuple([c / t for c, t in zip(*sums[name]) if t] for name in ("depth", "chain"))

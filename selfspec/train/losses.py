@@ -92,12 +92,15 @@ def depth_hits(family: str, heads: nn.Module, target: nn.Module, batch: dict[str
 
 def depth_accuracy(family: str, heads: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor],
                    max_depth: int = 4) -> tuple[list[int], list[int]]:
-    """(correct, total) top-1 counts per draft depth on assistant positions (see :func:`depth_hits`)."""
-    correct, total = [0] * max_depth, [0] * max_depth
-    for d, (hit, keep) in enumerate(depth_hits(family, heads, target, batch, max_depth)):
-        correct[d] += int((hit & keep).sum())
-        total[d] += int(keep.sum())
-    return correct, total
+    """(correct, total) top-1 counts per draft depth on assistant positions (see :func:`depth_hits`), ``max_depth`` long."""
+    correct, total = depth_counts(depth_hits(family, heads, target, batch, max_depth))
+    pad = [0] * (max_depth - len(correct))
+    return correct + pad, total + pad
+
+
+def depth_counts(hits: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[int], list[int]]:
+    """(correct, total) per depth of :func:`depth_hits`: right guesses among the assistant positions."""
+    return [int((hit & keep).sum()) for hit, keep in hits], [int(keep.sum()) for _, keep in hits]
 
 
 def chain_accuracy(hits: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[int], list[int]]:
@@ -105,10 +108,9 @@ def chain_accuracy(hits: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[
     how many have depths 1..d all right, i.e. how often greedy verification accepts a drafted chain's d-th
     token (teacher-forced: every depth fed the true tokens, which an accepted chain's are)."""
     correct, total, run = [], [], None
-    root = hits[0][1] if hits else None
     for hit, keep in hits:
         n = hit.shape[1]
-        run = hit & keep if run is None else run[:, :n] & hit & keep
-        correct.append(int((run & root[:, :n]).sum()))
-        total.append(int(root[:, :n].sum()))
+        run = hit & keep if run is None else run[:, :n] & hit & keep  # depth 1's keep: the roots counted
+        correct.append(int(run.sum()))
+        total.append(int(hits[0][1][:, :n].sum()))
     return correct, total
