@@ -253,6 +253,10 @@ def test_feature_cache_resumes_grows_and_rebuilds(tmp_path: Path, monkeypatch) -
     assert len(calls) == 6 and len(grown) == 14  # the old partial shard 2 (8, 9) is redone with 10, 11; then 12, 13
     assert all(torch.equal(grown[i]["input_ids"], examples[i]["input_ids"]) for i in range(14))
     calls.clear()
+    more = [*examples, {"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.ones(3, dtype=torch.long)}]
+    features.build_feature_cache(fn, more, ("f",), tmp_path, signature={**sig, "data": "x,y", "max_examples": 15})
+    assert len(calls) == 3  # a source appended to the data list: only the last shard (12, 13, new) is redone
+    calls.clear()
     features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "base": "other"})
     assert len(calls) == 14  # another model: everything is rebuilt
 

@@ -52,7 +52,10 @@ class FeatureCache(Dataset):
                     for k in self.keys}
 
 
-VOLATILE = ("count", "max_examples")  # a cache grows or shrinks with these; any other change rebuilds it
+# What decides only *which* tokens are cached: each shard's tokens are compared before it is reused, so a change
+# here (more examples, another source appended to the data list) keeps every shard that still holds the same
+# conversations. Any other change (the model, the family's feature layers) rebuilds the cache.
+VOLATILE = ("count", "max_examples", "data", "max_length", "heldout_fraction")
 
 
 def _stable(signature: dict) -> dict:
@@ -77,10 +80,10 @@ def build_feature_cache(feature_fn: Callable[[torch.Tensor], dict[str, torch.Ten
                         device: torch.device | str = "cpu", signature: dict | None = None) -> FeatureCache:
     """Run ``feature_fn`` ((1, T) ids -> {key: (1, T, H)}) over ``examples`` once and store it all.
 
-    ``signature`` (base model, family, data settings) is stored with the cache. With the same
-    signature, every shard already on disk that holds exactly the examples it should is kept: an
-    interrupted pass resumes, and a run with more examples (``max_examples``) computes only the new
-    shards. A different model, family or data setting rebuilds the cache.
+    ``signature`` (base model, feature settings, data settings) is stored with the cache. Every shard
+    already on disk that holds exactly the examples it should (same tokens) is kept: an interrupted pass
+    resumes, and a run with more examples (``max_examples``, or a source appended to ``data``) computes
+    only the new shards. A different model or feature setting (``VOLATILE`` lists what is not) rebuilds it.
     """
     folder = Path(folder)
     signature = {**(signature or {}), "count": len(examples), "keys": list(keys)}
