@@ -12,7 +12,7 @@ from selfspec.checkpoint import load_heads, save_heads
 from selfspec.drafters.base import DraftContext, DraftRequest
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
-from selfspec.heads import init_heads, make_drafter
+from selfspec.heads import EarlyExitDrafter, init_heads, make_drafter
 from selfspec.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,15 +36,20 @@ def test_exit_adapter_is_lossless(seed: int, arch: str, backend: str, adapter: d
     assert got.stats.speculative_steps > 0
 
 
-def test_an_untrained_layer_adapter_after_every_layer_accepts_everything() -> None:
-    """Exit after the last layer, adapter at its identity start: the draft IS the target (positions, caches)."""
+@pytest.mark.parametrize("top_k", [1, 4], ids=["chain", "tree"])
+@pytest.mark.parametrize("adapter", ["projection", "layer"])
+def test_an_untrained_adapter_after_every_layer_accepts_everything(adapter: str, top_k: int) -> None:
+    """Exit after the last layer, adapter at its identity start: the draft IS the target (positions, caches,
+    tree masks; the projection drafts inside the eager pass's own cache): every drafted depth is accepted (a
+    tree's best path may stop short of max_depth)."""
     model = tiny_model(2, layers=3, arch="qwen2")
-    drafter = make_drafter(init_heads("early-exit", model, exit_layer=3, adapter="layer"), model)
+    drafter = make_drafter(init_heads("early-exit", model, exit_layer=3, adapter=adapter, top_k=top_k), model)
     cfg = DecodeConfig(max_new_tokens=30, max_depth=4, adaptive=False)
     for backend in ("eager", "static"):
         got = SpeculativeEngine(model, drafter, backend=backend).generate(prompt_for(2), cfg)
         assert got.tokens == hf_greedy(model, prompt_for(2), 30)
-        assert got.stats.acceptance_by_depth == [1.0] * 4
+        by_depth = got.stats.acceptance_by_depth
+        assert by_depth == [1.0] * 4 if top_k == 1 else (len(by_depth) >= 2 and set(by_depth) == {1.0})
 
 
 def test_an_untrained_layer_adapter_drafts_what_the_plain_exit_drafts() -> None:
@@ -121,7 +126,10 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(adapter: s
     drafter = make_drafter(heads, model)
     ctx = DraftContext(torch.tensor(prompt_for(6, 12)), 11)
     tree, _ = drafter.propose(drafter.start(ctx), ctx, DraftRequest(6, 16, SamplingConfig()))
-    assert len(tree.tokens) == 7 and set(tree.tokens[1:].tolist()) <= allowed
+    assert len(tree.tokens) == 16 and set(tree.tokens[1:].tolist()) <= allowed  # a dynamic tree, budget filled
+    chained = EarlyExitDrafter(model, heads, top_k=1)
+    line, _ = chained.propose(chained.start(ctx), ctx, DraftRequest(6, 16, SamplingConfig()))
+    assert line.is_chain and len(line.tokens) == 7 and set(line.tokens[1:].tolist()) <= allowed
     prompt = prompt_for(6)
     for backend in ("eager", "static"):
         got = SpeculativeEngine(model, drafter, backend=backend).generate(

@@ -118,6 +118,8 @@ class EarlyExitConfig(FamilyConfig):
     ``draft_vocab_size``: draft over the most frequent tokens of the training data only (a slice of the target's
     LM head rows, gathered once per generation: on a small model the LM head costs more than the first layers);
     None: the whole vocabulary.
+    ``top_k``: children per expanded node, and nodes expanded per depth, of the EAGLE-2 dynamic tree the drafter
+    grows (each depth one pass of the first L layers and the adapter over k nodes); 1: a chain.
     """
 
     family: ClassVar[str] = "early-exit"
@@ -128,8 +130,11 @@ class EarlyExitConfig(FamilyConfig):
     lora_rank: int = 16
     lora_alpha: float | None = None
     draft_vocab_size: int | None = None
+    top_k: int = 4
 
     def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise SelfspecError(f"early-exit top_k must be >= 1, got {self.top_k}")
         if self.lora_rank < 1:
             raise SelfspecError(f"early-exit lora_rank must be >= 1, got {self.lora_rank}")
         if self.adapter not in EXIT_ADAPTERS:

@@ -6,14 +6,9 @@ states, so pairs (f_t, x_{t+1}) exist for t = 0 .. R-1. The head's cache holds t
 ones and ``propose`` feeds them in one causal pass. The last output is f^_R, the predicted feature
 at the root, from which drafting starts.
 
-Tree (EAGLE-2): the root's top-k tokens form depth 1. At each further depth the k frontier nodes
-with the best cumulative log-probability are expanded in ONE pass of the head (a drafted node at
-depth d is pair R + d - 1, input = its parent's output feature and its own token; a tree mask lets
-it see the committed cache, its drafted ancestors and itself), each adding its top-k children. The
-best ``max_nodes - 1`` nodes by cumulative log-probability (ancestor-closed) form the draft. The
-head's cache is then cropped back to the committed pairs. Children are picked deterministically
-(top-k), so the tree carries no draft probabilities: exact in sampling mode too, if less accepting
-than sampled drafts.
+Tree (EAGLE-2, ``selfspec/drafters/dynamic_tree.py``): a drafted node at depth d is pair R + d - 1, its
+input its parent's output feature and its own token; the best ``max_nodes - 1`` nodes form the draft, and
+the head's cache is then cropped back to the committed pairs.
 
 Vocabulary: a head trained with a reduced draft vocabulary (EAGLE-3's ``d2t``) cannot propose a token
 outside it, and replies reuse their context's rare words (names, identifiers, a prompt's ``>>>``
@@ -31,6 +26,7 @@ from torch import nn
 
 from ..adaptive import tree_size_by_cost
 from ..drafters.base import DraftContext, DraftRequest, Drafter
+from ..drafters.dynamic_tree import Candidates, grow_tree
 from ..errors import SelfspecError
 from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
@@ -52,66 +48,6 @@ class EagleState:
     context_weight: torch.Tensor | None = None  # (len(context_ids), H): their LM-head rows
     context_bias: torch.Tensor | None = None
     draft_ids: torch.Tensor | None = None  # d2t + context_ids: target id of each drafted logit
-
-
-@dataclass
-class Candidates:
-    """Drafted nodes in creation order (parents before children); parent -1 is the root."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)  # cumulative log-probability of the path
-
-    def add(self, token: int, parent: int, score: float) -> None:
-        """Append one node."""
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
-        self.scores.append(score)
-
-    def ancestors(self, node: int) -> list[int]:
-        """Drafted ancestors of ``node`` (root excluded), nearest first."""
-        out, p = [], self.parents[node]
-        while p >= 0:
-            out.append(p)
-            p = self.parents[p]
-        return out
-
-    def ranked(self, budget: int) -> list[int]:
-        """Up to ``budget`` nodes, best score first, each after its parent (every prefix is ancestor-closed)."""
-        keep: list[int] = []
-        kept: set[int] = set()
-        for i in sorted(range(len(self.tokens)), key=lambda i: -self.scores[i]):  # stable: parents win ties
-            if len(keep) == budget:
-                break
-            if self.parents[i] < 0 or self.parents[i] in kept:
-                keep.append(i)
-                kept.add(i)
-        return keep
-
-    def best(self, budget: int) -> list[int]:
-        """Up to ``budget`` nodes with the best scores whose parents are kept too, in creation order."""
-        return sorted(self.ranked(budget))
-
-    def to_tree(self, root: int, nodes: list[int]) -> DraftTree:
-        """The draft tree of ``nodes`` (ancestor-closed, creation order) below ``root``."""
-        where = {n: i + 1 for i, n in enumerate(nodes)}
-        parents = [-1] + [where.get(self.parents[n], 0) for n in nodes]
-        tokens = torch.tensor([root] + [self.tokens[n] for n in nodes], dtype=torch.long)
-        return DraftTree(tokens, parents)
-
-
-def expansion_mask(cand: Candidates, nodes: list[int], slot: dict[int, int], committed: int,
-                   cache_len: int, device: torch.device) -> torch.Tensor:
-    """(1, 1, n, cache_len + n) boolean: each node sees the committed pairs, its drafted ancestors' slots, itself."""
-    n = len(nodes)
-    mask = torch.zeros(n, cache_len + n, dtype=torch.bool)
-    mask[:, :committed] = True
-    for i, node in enumerate(nodes):
-        mask[i, [slot[a] for a in cand.ancestors(node)]] = True
-        mask[i, cache_len + i] = True
-    return mask[None, None].to(device)
 
 
 def _append(rows: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
@@ -217,31 +153,12 @@ class EagleDrafter(Drafter):
         return ids[top.indices.cpu()].tolist(), top.values.cpu().tolist()
 
     def _grow(self, state: EagleState, root_feat: torch.Tensor, depth: int, budget: int) -> Candidates:
-        """EAGLE-2 expansion, depth by depth; the head's cache holds the expanded nodes afterwards."""
+        """EAGLE-2 expansion (``grow_tree``): a node's input is its parent's output feature and its own token."""
+        def run(tokens: list[int], parents: torch.Tensor, positions: list[int], mask: torch.Tensor) -> torch.Tensor:
+            return self._run(parents, tokens, positions, state.cache, additive_mask(mask, root_feat.dtype))
+
         k = min(self.top_k, self.d2t.numel())
-        cand, out_feat, slot = Candidates(), {-1: root_feat}, {}
-        toks, scores = self._top(state, root_feat[None], k)
-        for t, s in zip(toks[0], scores[0]):
-            cand.add(t, -1, s)
-        frontier = list(range(len(cand.tokens)))
-        for d in range(1, depth):
-            if budget <= d:  # too few nodes left for anything deeper
-                break
-            expand = sorted(frontier, key=lambda i: -cand.scores[i])[:k]
-            cache_len = state.cached + len(slot)
-            mask = additive_mask(expansion_mask(cand, expand, slot, state.cached, cache_len, root_feat.device),
-                                 root_feat.dtype)
-            feats = torch.stack([out_feat[cand.parents[i]] for i in expand])
-            outs = self._run(feats, [cand.tokens[i] for i in expand], [state.cached + d - 1] * len(expand),
-                             state.cache, mask)
-            toks, scores = self._top(state, outs, k)
-            frontier = []
-            for j, node in enumerate(expand):
-                slot[node], out_feat[node] = cache_len + j, outs[j]
-                for t, s in zip(toks[j], scores[j]):
-                    frontier.append(len(cand.tokens))
-                    cand.add(t, node, cand.scores[node] + s)
-        return cand
+        return grow_tree(root_feat, state.cached, depth, budget, k, lambda outs, n: self._top(state, outs, n), run)
 
     @torch.no_grad()
     def propose(self, state: EagleState, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, EagleState]:

@@ -1,4 +1,6 @@
-"""Early-exit drafting (LayerSkip-style): the target's first L layers, an exit adapter and the LM head draft a chain.
+"""Early-exit drafting (LayerSkip-style): the target's first L layers, an exit adapter and the LM head draft a
+tree (EAGLE-2's dynamic tree, ``selfspec/drafters/dynamic_tree.py``: each depth one pass over the k best
+frontier nodes, with a tree mask into the drafter's caches) or a chain (``top_k`` 1).
 
 The truncated model is the target's own base-model class built with ``num_hidden_layers = L`` on
 the meta device, then given the target's own submodules by name (its first L layers, embeddings, norm):
@@ -24,6 +26,7 @@ cache (+ the adapter's) and re-feeds what was committed since its last draft: L/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +35,15 @@ from transformers import AutoModel, DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache
 
 from ..drafters.base import DraftContext, DraftRequest, Drafter
+from ..adaptive import tree_size_by_cost
 from ..drafters.chain import draft_chain
+from ..drafters.dynamic_tree import grow_tree
 from ..drafters.draft_model import DraftModelState
 from ..errors import SelfspecError
 from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
 from ..sequence import common_prefix
-from ..tree import DraftTree, chain
+from ..tree import DraftTree, additive_mask, chain
 from ..verify import cache_kwarg
 from .common import config_with_layers, lm_head, lm_head_rows, text_config, trained_parameter_count
 from .config import EarlyExitConfig
@@ -116,8 +121,8 @@ class ExitAdapter(nn.Module):
         if self.decoder is not None:
             if position_ids is None:
                 position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None].expand(hidden.shape[0], -1)
-            out = self.decoder(inputs_embeds=hidden, position_ids=position_ids, use_cache=cache is not None,
-                               **{cache_kwarg(type(self.decoder)): cache})
+            out = self.decoder(inputs_embeds=hidden, position_ids=position_ids, attention_mask=attention_mask,
+                               use_cache=cache is not None, **{cache_kwarg(type(self.decoder)): cache})
             return out.last_hidden_state
         return hidden if self.proj is None else hidden + self.proj(hidden)
 
@@ -162,14 +167,15 @@ class ExitState(DraftModelState):
 
 
 class EarlyExitDrafter(Drafter):
-    """Drafts a chain with the target's first layers and the exit adapter: greedy, or sampled with its
-    distributions."""
+    """Drafts with the target's first layers and the exit adapter: an EAGLE-2 dynamic tree (``top_k`` > 1, the
+    default), or a chain, greedy or sampled with its distributions (``top_k`` 1)."""
 
     name = "early-exit"
 
-    def __init__(self, target: nn.Module, adapter: ExitAdapter) -> None:
+    def __init__(self, target: nn.Module, adapter: ExitAdapter, top_k: int | None = None) -> None:
         self.target = target
         self.adapter = adapter.eval()
+        self.top_k = top_k or adapter.config.top_k  # 1: chains
         # LoRA's copy of the layers holds the target's linears as they are when built: built in start(), after
         # the static pass has packed them (built now it would keep the dense weights alive beside the packed ones)
         self.decoder = None if adapter.lora is not None else adapter.exit_model(target)
@@ -198,23 +204,70 @@ class EarlyExitDrafter(Drafter):
             state.processed = prefix
         return state
 
+    def _exit_outputs(self, ids: torch.Tensor, pos: torch.Tensor, cache: Cache, adapter_cache: Cache | None,
+                      mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Feed ``ids`` (1, n) at ``pos`` (1, n) into the caches (a 4-D ``mask`` for tree nodes, else causal);
+        the adapter's outputs, the LM head's inputs: (n, H), or (1, H) for the last position only."""
+        out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                           **{cache_kwarg(type(self.decoder)): cache})
+        exits = out.last_hidden_state
+        if last_only and not self.adapter.sequential:
+            exits, pos = exits[:, -1:], pos[:, -1:]  # a per-position adapter needs the last state only
+        h = self.adapter(exits, pos, adapter_cache, attention_mask=mask)[0]
+        return h[-1:] if last_only else h
+
+    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(n, H) LM-head inputs -> (n, V) logits over the whole vocabulary, or (n, draft_vocab) over a draft one."""
+        if self.rows is None:
+            return lm_head(self.target)(h)
+        _, weight, bias = self.rows
+        return nn.functional.linear(h, weight.to(h.dtype), bias)
+
     def _logits(self, ids: torch.Tensor, start: int, cache: Cache, adapter_cache: Cache | None) -> torch.Tensor:
         """Feed ``ids`` (1, n) at positions ``start ..`` into the caches; the logits after the last one, (V,)."""
         pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        out = self.decoder(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.decoder)): cache})
-        exits = out.last_hidden_state
-        if not self.adapter.sequential:
-            exits = exits[:, -1:]  # a per-position adapter needs the last state only
-        h = self.adapter(exits, pos[:, -exits.shape[1]:], adapter_cache)[0, -1]
+        logits = self._draft_logits(self._exit_outputs(ids, pos, cache, adapter_cache, last_only=True))[0]
         if self.rows is None:
-            return lm_head(self.target)(h)
-        ids, weight, bias = self.rows  # the draft vocabulary's logits; -inf elsewhere (probability 0 in q)
-        full = h.new_full((lm_head(self.target).out_features,), float("-inf"))
-        return full.index_copy_(0, ids.to(h.device), nn.functional.linear(h, weight.to(h.dtype), bias))
+            return logits
+        full = logits.new_full((lm_head(self.target).out_features,), float("-inf"))  # probability 0 in q
+        return full.index_copy_(0, self.rows[0].to(logits.device), logits)
+
+    def _top(self, h: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Top-k target token ids and their log-probabilities for each of (n, H) LM-head inputs."""
+        top = self._draft_logits(h).float().log_softmax(-1).topk(min(k, self._vocab()), dim=-1)
+        idx = top.indices.cpu()
+        return (idx if self.rows is None else self.rows[0].cpu()[idx]).tolist(), top.values.cpu().tolist()
+
+    def _vocab(self) -> int:
+        return lm_head(self.target).out_features if self.rows is None else self.rows[0].numel()
+
+    def _tree(self, feed: torch.Tensor, keep: int, cache: Cache, adapter_cache: Cache | None, root: int,
+              req: DraftRequest) -> DraftTree:
+        """An EAGLE-2 dynamic tree (``grow_tree``): feed the committed tokens not cached yet and the root, then
+        expand the best frontier nodes depth by depth, each level one pass of the first L layers and the adapter.
+        The caches are cropped back to the committed tokens (root included) afterwards."""
+        pos = torch.arange(keep, keep + feed.shape[1], device=self.device)[None]
+        root_out = self._exit_outputs(feed, pos, cache, adapter_cache, last_only=True)[0]
+        committed = keep + feed.shape[1]
+
+        def run(tokens: list[int], _parents: torch.Tensor, positions: list[int], mask: torch.Tensor) -> torch.Tensor:
+            ids, p = (torch.tensor([v], device=self.device) for v in (tokens, positions))
+            return self._exit_outputs(ids, p, cache, adapter_cache, additive_mask(mask, root_out.dtype))
+
+        budget = req.max_nodes - 1
+        cand = grow_tree(root_out, committed, req.max_depth, budget, self.top_k, self._top, run)
+        for c in (cache, adapter_cache):
+            if c is not None:
+                truncate(c, committed)
+        ranked = cand.ranked(budget)
+        if req.node_cost is not None:  # EAGLE-2: a node's path probability is its expected acceptance
+            ranked = ranked[:tree_size_by_cost([math.exp(cand.scores[i]) for i in ranked], req.node_cost)]
+        return cand.to_tree(root, sorted(ranked))
 
     @torch.no_grad()
     def propose(self, state: ExitState, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, ExitState]:
-        """A chain of ``req.max_depth`` tokens (greedy, or sampled with q reported)."""
+        """A dynamic tree of at most ``req.max_depth`` levels and ``req.max_nodes`` nodes (``top_k`` > 1), or a
+        chain of ``req.max_depth`` tokens (greedy, or sampled with q reported)."""
         tokens = ctx.tokens.tolist()
         depth = min(req.max_depth, req.max_nodes - 1)
         if depth <= 0:
@@ -228,13 +281,18 @@ class EarlyExitDrafter(Drafter):
             if state.adapter_cache is not None:
                 truncate(state.adapter_cache, keep)
         feed = torch.tensor([tokens[keep:]], device=self.device)
-        out = draft_chain(lambda ids, pos: self._logits(ids, pos, cache, state.adapter_cache), feed, keep, depth, req,
-                          lm_head(self.target).out_features)
+        if self.top_k > 1:
+            tree, fed = self._tree(feed, keep, cache, state.adapter_cache, tokens[-1], req), tokens
+        else:
+            out = draft_chain(lambda ids, pos: self._logits(ids, pos, cache, state.adapter_cache), feed, keep, depth,
+                              req, lm_head(self.target).out_features)
+            tree = chain(tokens[-1], out.tokens, out.draft_probs)
+            fed = tokens + (out.tokens if out.fed_last else out.tokens[:-1])
         if shared is not None:
             truncate(cache, ctx.cache_len)  # give the target its layers back as they were
         else:
-            state.processed = tokens + (out.tokens if out.fed_last else out.tokens[:-1])
-        return chain(tokens[-1], out.tokens, out.draft_probs), state
+            state.processed = fed
+        return tree, state
 
     def extra_parameters(self) -> int:
         """The exit adapter's trained parameters (the truncated model shares the target's), plus the LM-head rows
