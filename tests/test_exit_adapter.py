@@ -140,9 +140,11 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(adapter: s
         init_heads("early-exit", model, draft_vocab_size=65)
 
 
-def test_sampling_with_a_draft_vocabulary_is_lossless() -> None:
+@pytest.mark.parametrize("top_k", [1, 3], ids=["sampled-chain", "tree"])
+def test_sampling_with_a_draft_vocabulary_is_lossless(top_k: int) -> None:
+    """A sampled chain reports its q; a top-k tree is deterministic (point masses): both exact."""
     target = tiny_model(12, vocab=SAMPLING_VOCAB, hidden=16)
-    heads = perturb(init_heads("early-exit", target, exit_layer=1, draft_vocab_size=5), 4, 0.2)
+    heads = perturb(init_heads("early-exit", target, exit_layer=1, draft_vocab_size=5, top_k=top_k), 4, 0.2)
     heads.set_draft_vocab(torch.tensor([5.0, 1, 4, 0, 3, 2, 6, 7]))  # drafts never propose tokens 1, 3, 5
     engine = SpeculativeEngine(target, make_drafter(heads, target))
     assert chi_square_pvalue(draw(engine, 2, n=1000), exact_joint(target)) > ALPHA
