@@ -42,10 +42,11 @@ from ..drafters.draft_model import DraftModelState
 from ..errors import SelfspecError
 from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
+from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_numel
 from ..sequence import common_prefix
 from ..tree import DraftTree, additive_mask, chain
 from ..verify import cache_kwarg
-from .common import config_with_layers, lm_head, lm_head_rows, text_config, trained_parameter_count
+from .common import config_with_layers, lm_head, lm_head_rows, text_config
 from .config import EarlyExitConfig
 from .exit_lora import build_pairs, lora_decoder, write_peft_folder
 
@@ -181,6 +182,8 @@ class EarlyExitDrafter(Drafter):
         self.decoder = None if adapter.lora is not None else adapter.exit_model(target)
         self.device = next(target.parameters()).device
         self.rows = None  # (draft ids, their LM head rows, bias) with a draft vocabulary, gathered in start()
+        if adapter.decoder is not None:  # on a CPU the adapter layer runs on oneDNN-packed weights, as the target
+            pack_linears(adapter.decoder.layers)
 
     def _shared(self, ctx: DraftContext) -> Cache | None:
         """The target's cache, where the drafter may draft inside it (a per-position adapter on unchanged layers,
@@ -196,7 +199,10 @@ class EarlyExitDrafter(Drafter):
         if self.adapter.lora is not None:  # the copy holds the target's linears: take them as they are now
             self.decoder = self.adapter.exit_model(self.target)
         ids = self.adapter.draft_ids
-        self.rows = None if ids is None else (ids, *lm_head_rows(self.target, ids))
+        if ids is not None:  # the draft vocabulary's LM-head rows, packed like the target's linears on a CPU
+            weight, bias = lm_head_rows(self.target, ids)
+            weight = weight.to(model_dtype(self.target))
+            self.rows = (ids, pack_weight(weight) if packable(self.target) else weight, bias)
         state = ExitState(DynamicCache(config=self.decoder.config), [], self.adapter.new_cache())
         prefix = ctx.tokens[:-1].tolist()
         if prefix and self._shared(ctx) is None:
@@ -221,7 +227,7 @@ class EarlyExitDrafter(Drafter):
         if self.rows is None:
             return lm_head(self.target)(h)
         _, weight, bias = self.rows
-        return nn.functional.linear(h, weight.to(h.dtype), bias)
+        return linear(h, weight, bias)
 
     def _logits(self, ids: torch.Tensor, start: int, cache: Cache, adapter_cache: Cache | None) -> torch.Tensor:
         """Feed ``ids`` (1, n) at positions ``start ..`` into the caches; the logits after the last one, (V,)."""
@@ -299,7 +305,7 @@ class EarlyExitDrafter(Drafter):
         a draft vocabulary gathers (a copy)."""
         rows = self.adapter.config.copied_parameters(lm_head(self.target).out_features,
                                                      text_config(self.target.config).hidden_size)
-        return trained_parameter_count(self.adapter) + rows
+        return weight_numel(self.adapter) + rows
 
     def kv_bytes_per_token(self) -> int:
         """The drafter's own cache, where it keeps one (the static pass, a layer adapter): the first L layers'
