@@ -125,7 +125,9 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(adapter: s
     assert set(heads.draft_ids.tolist()) == allowed
     drafter = make_drafter(heads, model)
     ctx = DraftContext(torch.tensor(prompt_for(6, 12)), 11)
+    allowed |= set(prompt_for(6, 12))  # the prompt's own tokens are drafted too
     tree, _ = drafter.propose(drafter.start(ctx), ctx, DraftRequest(6, 16, SamplingConfig()))
+    assert set(drafter.rows[0].tolist()) == allowed
     assert len(tree.tokens) == 16 and set(tree.tokens[1:].tolist()) <= allowed  # a dynamic tree, budget filled
     chained = EarlyExitDrafter(model, heads, top_k=1)
     line, _ = chained.propose(chained.start(ctx), ctx, DraftRequest(6, 16, SamplingConfig()))

@@ -199,7 +199,10 @@ class EarlyExitDrafter(Drafter):
         if self.adapter.lora is not None:  # the copy holds the target's linears: take them as they are now
             self.decoder = self.adapter.exit_model(self.target)
         ids = self.adapter.draft_ids
-        if ids is not None:  # the draft vocabulary's LM-head rows, packed like the target's linears on a CPU
+        if ids is not None:  # the draft vocabulary and the prompt's tokens outside it (names, identifiers a reply
+            # repeats): their LM-head rows, packed like the target's linears on a CPU
+            prompt = ctx.tokens.to(ids.device).unique()
+            ids = torch.cat([ids, prompt[~torch.isin(prompt, ids)]])
             weight, bias = lm_head_rows(self.target, ids)
             weight = weight.to(model_dtype(self.target))
             self.rows = (ids, pack_weight(weight) if packable(self.target) else weight, bias)
