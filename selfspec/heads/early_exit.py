@@ -34,8 +34,8 @@ from torch import nn
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache
 
-from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..adaptive import tree_size_by_cost
+from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..drafters.chain import draft_chain
 from ..drafters.dynamic_tree import grow_tree
 from ..drafters.draft_model import DraftModelState
@@ -248,6 +248,7 @@ class EarlyExitDrafter(Drafter):
         return (idx if self.rows is None else self.rows[0].cpu()[idx]).tolist(), top.values.cpu().tolist()
 
     def _vocab(self) -> int:
+        """How many tokens a draft chooses among (the whole vocabulary, or the gathered rows)."""
         return lm_head(self.target).out_features if self.rows is None else self.rows[0].numel()
 
     def _tree(self, feed: torch.Tensor, keep: int, cache: Cache, adapter_cache: Cache | None, root: int,
