@@ -19,11 +19,13 @@ EAGLE heads feed a node's parent's output feature with its token; early exit fee
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ..adaptive import tree_size_by_cost
 from ..tree import DraftTree
 
 
@@ -116,3 +118,12 @@ def grow_tree(root_out: torch.Tensor, committed: int, depth: int, budget: int, k
                 frontier.append(len(cand.tokens))
                 cand.add(t, node, cand.scores[node] + s)
     return cand
+
+
+def select_tree(cand: Candidates, root: int, budget: int, node_cost: Callable[[float], float] | None) -> DraftTree:
+    """The draft: the best ``budget`` nodes (ancestor-closed), cut where the measured verify cost ``node_cost`` says
+    more nodes stop paying (EAGLE-2: a node's path probability is its expected acceptance)."""
+    ranked = cand.ranked(budget)
+    if node_cost is not None:
+        ranked = ranked[:tree_size_by_cost([math.exp(cand.scores[i]) for i in ranked], node_cost)]
+    return cand.to_tree(root, sorted(ranked))

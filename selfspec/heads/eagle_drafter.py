@@ -18,15 +18,13 @@ and each committed token's LM-head rows are gathered as they arrive (a few hundr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..adaptive import tree_size_by_cost
 from ..drafters.base import DraftContext, DraftRequest, Drafter
-from ..drafters.dynamic_tree import Candidates, grow_tree
+from ..drafters.dynamic_tree import Candidates, grow_tree, select_tree
 from ..errors import SelfspecError
 from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
@@ -170,10 +168,7 @@ class EagleDrafter(Drafter):
             return chain(root, []), state
         cand = self._grow(state, state.root_feature, req.max_depth, budget)
         truncate(state.cache, state.cached)  # drop the drafted pairs: only committed ones stay
-        ranked = cand.ranked(budget)
-        if req.node_cost is not None:  # EAGLE-2: a node's path probability is its expected acceptance
-            ranked = ranked[:tree_size_by_cost([math.exp(cand.scores[i]) for i in ranked], req.node_cost)]
-        return cand.to_tree(root, sorted(ranked)), state
+        return select_tree(cand, root, budget, req.node_cost), state
 
     def extra_parameters(self) -> int:
         """The head's trained parameters plus the gathered LM-head rows of a reduced draft vocabulary (a copy)."""

@@ -26,7 +26,6 @@ cache (+ the adapter's) and re-feeds what was committed since its last draft: L/
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +33,9 @@ from torch import nn
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache
 
-from ..adaptive import tree_size_by_cost
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..drafters.chain import draft_chain
-from ..drafters.dynamic_tree import grow_tree
+from ..drafters.dynamic_tree import grow_tree, select_tree
 from ..drafters.draft_model import DraftModelState
 from ..errors import SelfspecError
 from ..kv_cache import truncate
@@ -269,10 +267,7 @@ class EarlyExitDrafter(Drafter):
         for c in (cache, adapter_cache):
             if c is not None:
                 truncate(c, committed)
-        ranked = cand.ranked(budget)
-        if req.node_cost is not None:  # EAGLE-2: a node's path probability is its expected acceptance
-            ranked = ranked[:tree_size_by_cost([math.exp(cand.scores[i]) for i in ranked], req.node_cost)]
-        return cand.to_tree(root, sorted(ranked))
+        return select_tree(cand, root, budget, req.node_cost)
 
     @torch.no_grad()
     def propose(self, state: ExitState, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, ExitState]:
