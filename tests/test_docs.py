@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -89,7 +89,7 @@ class _Captured(Exception):
 @contextlib.contextmanager
 def _stop_at_parse() -> Iterator[None]:
     """Make every ArgumentParser raise itself instead of parsing: ``main()`` stops before it runs."""
-    def stop(self, *args, **kwargs):
+    def stop(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> argparse.Namespace:
         raise _Captured(self)
 
     saved = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
@@ -100,7 +100,8 @@ def _stop_at_parse() -> Iterator[None]:
         argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = saved
 
 
-def _capture(main) -> argparse.ArgumentParser | None:
+def _capture(main: Callable[[], object]) -> argparse.ArgumentParser | None:
+    """The parser ``main()`` builds, or None when it builds none without failing first."""
     with _stop_at_parse():
         try:
             main()
@@ -161,6 +162,7 @@ def module_options(name: str) -> tuple[frozenset[str] | None, str]:
 
 @functools.lru_cache(maxsize=None)
 def make_targets() -> frozenset[str]:
+    """The Makefile's targets."""
     text = (ROOT / "Makefile").read_text(encoding="utf-8")
     return frozenset(t for line in re.findall(r"^([\w .$()/-]+?)\s*:(?!=)", text, re.M) for t in line.split())
 
@@ -230,6 +232,7 @@ def _slug(heading: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def anchors(path: Path) -> frozenset[str]:
+    """The anchors of a Markdown file's headings."""
     text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
     return frozenset(_slug(h) for h in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", text, re.M))
 
