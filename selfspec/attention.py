@@ -26,6 +26,8 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .exact import exact_attention
+
 NAME = "selfspec_sdpa"
 
 
@@ -46,7 +48,11 @@ def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
 def selfspec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention-interface signature; without a 4-D mask (not a static pass), stock "sdpa"."""
+    """transformers' attention-interface signature; without a 4-D mask (not a static pass), stock "sdpa"; given an
+    exact pass's plan (``selfspec_exact``), every row as a plain step computes it (``selfspec/exact.py``)."""
+    plan = kwargs.get("selfspec_exact")
+    if plan is not None:
+        return exact_attention(query, key, value, plan, scaling), None
     if attention_mask is None or attention_mask.dim() != 4 or dropout or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

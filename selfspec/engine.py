@@ -23,7 +23,7 @@ from .drafters.base import DraftContext, DraftRequest, Drafter
 from .errors import SelfspecError
 from .dtypes import dtype_name
 from .memory import counted_bytes, model_dtype
-from .sampling import SamplingConfig, logits_to_probs
+from .sampling import SamplingConfig, greedy_tokens, logits_to_probs
 from .stats import GenerationStats
 from .target_pass import EagerPass, make_target_pass
 from .tree import DraftTree, chain
@@ -115,7 +115,7 @@ def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, policy
 def accept(tree: DraftTree, ver: Verification, sampling: SamplingConfig, gen: torch.Generator) -> tuple[list[int], int]:
     """Accepted path (tree indices, root excluded) and the target's next token."""
     if sampling.greedy:
-        return accept_greedy(tree, ver.logits.argmax(-1).tolist())
+        return accept_greedy(tree, greedy_tokens(ver.logits).tolist())
     return accept_sampling(tree, logits_to_probs(ver.logits, sampling), gen)
 
 
@@ -166,16 +166,18 @@ class SpeculativeEngine:
     cache, tree sizes bucketed), "compiled" (the static pass through ``torch.compile``) or "auto"; see
     ``selfspec/target_pass.py``. A pass object made by ``make_target_pass`` may be given instead, to share
     its cache and compiled graphs between engines (one request at a time). Outputs are the same on every
-    backend, up to the dtype's rounding.
+    backend, up to the dtype's rounding; ``exact`` (the default) makes the static pass compute every row as a
+    plain step does where the device's self-test allows, so that output is bit-identical to plain decoding in
+    any dtype (``selfspec/exact.py``; the stats' ``exact`` says whether a run was).
     """
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter | None = None, tokenizer=None,
-                 backend="auto") -> None:
+                 backend="auto", exact: bool = True) -> None:
         self.model = model.eval()
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self.target = make_target_pass(self.model, backend) if isinstance(backend, str) else backend
+        self.target = make_target_pass(self.model, backend, exact) if isinstance(backend, str) else backend
 
     def _prompt_tensor(self, prompt: torch.Tensor | list[int]) -> torch.Tensor:
         ids = torch.as_tensor(prompt, dtype=torch.long).cpu()
@@ -194,6 +196,7 @@ class SpeculativeEngine:
         """Run the loop, yielding the tokens each step commits; fills ``stats`` as it goes."""
         start = time.perf_counter()
         stats.dtype, stats.target_pass = dtype_name(model_dtype(self.model)), self.target.name
+        stats.exact = bool(getattr(self.target, "exact", False))
         ids = self._prompt_tensor(prompt)
         check_fits(self.model.config, ids.numel(), cfg.max_new_tokens)  # before anything runs
         gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))

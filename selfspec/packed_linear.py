@@ -93,6 +93,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype, self.batch_hint = linear.weight.dtype, batch_hint
         self.blocks = 0
+        self.max_rows = 0  # > 0: at most this many rows per matmul (the exact pass sets it: selfspec/exact.py)
         self.key = next(_KEYS)
         _LIVE[self.key] = weakref.ref(self, lambda _, key=self.key: _LIVE.pop(key, None))
         self._pack(linear.weight)
@@ -114,7 +115,14 @@ class PackedLinear(nn.Module):
         return self.eager_forward(x)
 
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed matmul."""
+        """The packed matmul (at most ``self.max_rows`` rows per call, if set)."""
+        if self.max_rows and x.dim() > 1:
+            from .exact import in_chunks
+
+            return in_chunks(self._matmul, x, self.max_rows)
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks == 1:
             return packed_linear(x, self.packed_0, self.bias)
         out = x.new_empty(*x.shape[:-1], self.out_features)

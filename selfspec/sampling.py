@@ -29,6 +29,14 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The top token of each row of (..., V) logits, the first of equal maxima (as ``argmax``).
+
+    ``max(-1).indices`` rather than ``argmax(-1)``: on a CPU, for a verify pass's (16, 49152) bf16 logits,
+    argmax runs a slow path (2.9 ms against 0.6 ms, measured), with the same indices, ties included."""
+    return logits.max(-1).indices
+
+
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Probabilities (..., V) after temperature, top-k and top-p, in float32. Greedy gives a one-hot."""
     logits = logits.float()

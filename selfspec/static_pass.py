@@ -17,6 +17,11 @@ graphs (one per tree-size bucket) that serve every step, and CUDA graphs can rep
               (``crop``), so stale slots past the committed length are never seen: the mask hides them
               until the next pass overwrites them
 
+exact     (uncompiled, the default where the start-up self-test passes) every row attends as a one-token plain
+              step does, over the same keys in the same order and width, and every pass runs on at least as many
+              rows as keep each row's bits in the linears (``selfspec/exact.py``): speculative output is then
+              bit-identical to plain decoding, bf16 included
+
 On CUDA the compiled graphs are recorded as CUDA graphs ("reduce-overhead"). Inductor keeps what it compiled
 on disk (``$SELFSPEC_HOME/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set) for a second process.
 """
@@ -32,6 +37,7 @@ from transformers import StaticCache
 
 from .attention import static_attention
 from .errors import SelfspecError
+from .exact import ExactPlan, ExactSupport, check_exact, log as exact_log, plan_pass, row_chunks
 from .packed_linear import is_packed, pack_linears
 from .paths import selfspec_home
 from .tree import DraftTree, chain
@@ -89,10 +95,12 @@ def _inductor_cache_dir() -> None:
 
 
 class StaticPass:
-    """The target over a static cache; ``compile=True`` runs each tree-size bucket as a compiled graph."""
+    """The target over a static cache; ``compile=True`` runs each tree-size bucket as a compiled graph; ``exact``
+    (uncompiled only) computes every row as a plain step does, if this device's self-test allows (``self.exact``
+    says whether it does, ``self.support.reason`` why not)."""
 
     def __init__(self, model: torch.nn.Module, compile: bool = False, buckets: tuple[int, ...] = BUCKETS,
-                 pack: bool = True) -> None:
+                 pack: bool = True, exact: bool = True) -> None:
         self.model = model
         if pack:  # on a CPU: the linears' weights in oneDNN's layout, shared by the eager and compiled paths
             pack_linears(model)
@@ -110,6 +118,17 @@ class StaticPass:
         self.epoch = 0
         self.compiled_shapes: set[tuple[int, int]] = set()  # (bucket, max_len) graphs built so far
         self.step = self._compile() if compile else self._forward
+        self.support = ExactSupport(False, reason="off (--no-exact)")
+        if exact and compile:
+            self.support = ExactSupport(False, reason="the compiled pass is not exact")
+        elif exact:
+            self.support = check_exact(model, self.buckets)
+        if exact and not self.support.exact:
+            exact_log.warning("exact target pass unavailable: %s; speculative output may differ from plain "
+                              "decoding by rounding (each difference is diagnosed)", self.support.reason)
+        self.exact = self.support.exact
+        if self.exact:  # a plain step too runs on the rows that give a row the bits it gets in every larger pass
+            self.buckets = tuple(sorted({max(b, self.support.least) for b in self.buckets}))
 
     def _compile(self):
         _inductor_cache_dir()
@@ -119,12 +138,14 @@ class StaticPass:
             return torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
         return torch.compile(self._forward, dynamic=False)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...] = ()
-                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...] = (),
+                 plan: ExactPlan | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """(1, b) tokens at (1, b) positions under a (1, 1, b, max_len) mask -> logits (1, b, V) and the states
-        (1, b, H) of ``layers`` (indices into ``hidden_states``; only the final one needs no extra outputs)."""
+        (1, b, H) of ``layers`` (indices into ``hidden_states``; only the final one needs no extra outputs).
+        ``plan``: every row attends as the exact pass's plan says (``selfspec/exact.py``)."""
+        extra = {} if plan is None else {"selfspec_exact": plan}
         out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                           output_hidden_states=any(i != -1 for i in layers), **{self.kwarg: self.cache})
+                           output_hidden_states=any(i != -1 for i in layers), **{self.kwarg: self.cache}, **extra)
         h = out.last_hidden_state
         return self.head(h), tuple(h if i == -1 else out.hidden_states[i] for i in layers)
 
@@ -188,7 +209,13 @@ class StaticPass:
             # compiled graphs have fixed shapes (every slot); uncompiled, the pass reads only the slots it can see
             width = cache_len + b if cut and not self.compiled else self.max_len
             mask = static_mask(ancestor_block(tree.parents, b), cache_len, width, self.dtype, self.device)
-            logits, states = self.step(ids.to(self.device), positions.to(self.device), mask, layers)
+            if self.exact:
+                plan = plan_pass(tree.parents, tree.depth, cache_len, self.max_len, self.dtype, self.device,
+                                 self.support.batched)
+                with row_chunks(self.support):
+                    logits, states = self._forward(ids.to(self.device), positions.to(self.device), mask, layers, plan)
+            else:
+                logits, states = self.step(ids.to(self.device), positions.to(self.device), mask, layers)
         # clone: a CUDA-graph replay reuses its output buffers at the next call
         return Verification(logits[0, :n].clone(), tuple(h[0, :n].clone() for h in states) if layers else None)
 

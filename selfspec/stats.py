@@ -21,6 +21,7 @@ class GenerationStats:
     draft_state_bytes: int = 0  # peak bytes of the drafter's per-request state (its KV cache) after a draft
     dtype: str = ""  # the target's dtype ("bfloat16", ...): what --dtype auto chose
     target_pass: str = ""  # how the target ran: eager, static or compiled
+    exact: bool = False  # every pass computed each row as a plain step does: output bit-identical to plain decoding
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -35,6 +35,7 @@ class EagerPass:
     """The target's forward through public ``transformers`` arguments over a ``DynamicCache``."""
 
     name = "eager"
+    exact = False  # a k-token pass may round a row differently from a one-token step (the reference, not exact)
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -70,8 +71,9 @@ class EagerPass:
         return cache
 
 
-def make_target_pass(model: torch.nn.Module, backend: str = "eager", **options):
-    """The target pass named ``backend`` (one of ``BACKENDS``) for ``model``."""
+def make_target_pass(model: torch.nn.Module, backend: str = "eager", exact: bool = True, **options):
+    """The target pass named ``backend`` (one of ``BACKENDS``) for ``model``; ``exact``: the static pass computes
+    every row as a plain step does where this device allows (``selfspec/exact.py``; the eager pass never does)."""
     from .errors import SelfspecError
 
     backend = resolve_backend(backend, model)
@@ -80,5 +82,5 @@ def make_target_pass(model: torch.nn.Module, backend: str = "eager", **options):
     if backend in ("static", "compiled"):
         from .static_pass import StaticPass
 
-        return StaticPass(model, compile=backend == "compiled", **options)
+        return StaticPass(model, compile=backend == "compiled", exact=exact, **options)
     raise SelfspecError(f"unknown target pass '{backend}'; choose one of {', '.join(BACKENDS)}")

@@ -184,3 +184,14 @@ def test_reduced_vocabulary_drafts_the_subset_argmax() -> None:
 def test_reduced_vocabulary_rejects_bad_ids() -> None:
     with pytest.raises(SelfspecError, match="draft_vocab"):
         DraftModelDrafter(tiny_model(5, layers=1), draft_vocab=torch.tensor([0, 64]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_break_ties_as_argmax(dtype: torch.dtype) -> None:
+    """The engine's greedy pick equals ``argmax`` (hf's), equal maxima included: bf16 logits tie often."""
+    from selfspec.sampling import greedy_tokens
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 16, 4096, generator=g) * 2).round().to(dtype)  # rounded: many equal maxima
+    top = logits.max(-1, keepdim=True).values
+    assert ((logits == top).sum(-1) > 1).float().mean() > 0.1  # the ties are really there
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))

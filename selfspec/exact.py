@@ -1,0 +1,272 @@
+"""The exact target pass: every row of a pass computed as a one-token plain step computes it, bit for bit.
+
+In bf16 a k-token pass rounds differently from k one-token passes, and a near-tie of the target's logits
+can flip: speculative output then differs from plain decoding (in fp32 the same happens, only more rarely).
+On the CPUs checked (``../shared/NOTES.md``) only attention changes a row's arithmetic with the pass: the
+linears give every row the same bits for any number of rows up to a limit, norms, rotary and residual adds
+work row by row. So the exact pass fixes how each query row attends:
+
+    keys      a row at position p sees the cache, then its ancestors in depth order, then itself: exactly
+              the p + 1 keys a plain step at p sees, in the same order (a chain's rows read the cache in place;
+              a branching tree's rows gather their ancestors behind the cache)
+    width     every call is ``width(p) = round_up(p + 1, WIDTH_STEP)`` keys wide, the rest masked, in the plain
+              step too: the kernel's reduction depends on the width, so rows of equal width can share a call
+    rows      rows of equal width run as one call along the batch dimension, each row its own batch entry with
+              its query heads folded per K/V head, where the start-up self-test finds that a row's bits do not
+              depend on the other entries of its call; else one call per row
+    a thread  every call runs on one thread: the CPU kernel's per-thread scratch buffers sit at offsets that
+              depend on the width, and on one 2-core CPU the same (row, head) computed by the second thread
+              came out with other bits than by the first (real activations, widths = 0 or 3 mod 4), so a row's
+              result would depend on where in its call it lands
+    linears   the self-test finds, per weight shape, the pass sizes (buckets) whose rows get the bits a plain step
+              gives them: on the CPUs checked one row takes another kernel than 2 to 64 rows, so a plain step runs
+              on two rows (its root and a padding row, as the smallest bucket); a packed linear row-variant above
+              some bucket runs in chunks of that bucket; a dense one makes the pass inexact (said once)
+
+The self-test runs a few matmuls of the model's own shapes at start-up, cached per device, dtype and shape
+(``check_exact``): an assumption that holds on this CPU need not hold on another, or on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.functional import scaled_dot_product_attention
+
+log = logging.getLogger(__name__)
+
+WIDTH_STEP = 32  # key widths are rounded up to this: fewer distinct widths (calls) per pass, <= 31 masked keys
+
+
+def width_for(position: int, slots: int) -> int:
+    """Keys a query at ``position`` attends over (its own p + 1 and masked ones): the same in every pass."""
+    return min(-(-(position + 1) // WIDTH_STEP) * WIDTH_STEP, slots)
+
+
+@dataclass
+class RowGroup:
+    """Query rows of one pass that share a width, attended in one call."""
+
+    rows: torch.Tensor  # (m,) long: the rows (tree nodes) of the pass
+    width: int
+    keys: torch.Tensor | None  # (m * width,) long cache slots, row by row; None: every row reads slots 0..width-1
+    mask: torch.Tensor  # (m, 1, 1, width) additive: 0 for the p + 1 keys each row sees, dtype min after
+
+
+@dataclass
+class ExactPlan:
+    """How every (non-padding) row of a pass attends; passed to the attention as ``selfspec_exact``."""
+
+    groups: list[RowGroup]
+
+
+def ancestor_path(parents: list[int], node: int) -> list[int]:
+    """``node``'s ancestors from the root down, then ``node`` itself."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def plan_pass(parents: list[int], depth: list[int], cache_len: int, slots: int, dtype: torch.dtype,
+              device: torch.device, batched: bool = True) -> ExactPlan:
+    """The plan for a pass over a tree (``parents``, ``depth``; node i written at slot cache_len + i) on a cache of
+    ``slots`` slots. ``batched``: rows of a width share a call; False: every row its own call."""
+    by_width: dict[int, list[tuple[int, list[int] | None]]] = {}
+    for node in range(len(parents)):
+        path = ancestor_path(parents, node)
+        in_place = path == list(range(node + 1))  # the row's keys are slots 0..position already
+        by_width.setdefault(width_for(cache_len + depth[node], slots), []).append((node, None if in_place else path))
+    groups = []
+    for width, members in by_width.items():
+        parts = [members] if batched else [[m] for m in members]
+        groups += [_group(part, width, cache_len, dtype, device) for part in parts]
+    return ExactPlan(groups)
+
+
+def _group(members: list[tuple[int, list[int] | None]], width: int, cache_len: int, dtype: torch.dtype,
+           device: torch.device) -> RowGroup:
+    """Rows ``members`` (node, its path if its keys must be gathered) attending over ``width`` keys."""
+    seen = torch.tensor([cache_len + (node if path is None else len(path) - 1) + 1 for node, path in members])
+    mask = torch.where(torch.arange(width) < seen[:, None], 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None]
+    keys = None
+    if any(path is not None for _, path in members):
+        keys = torch.arange(width).repeat(len(members), 1)  # masked slots: any of the cache (weighted exactly 0)
+        for r, (_, path) in enumerate(members):
+            if path is not None:
+                keys[r, cache_len:cache_len + len(path)] = cache_len + torch.tensor(path)
+        keys = keys.flatten().to(device)
+    return RowGroup(torch.tensor([node for node, _ in members], device=device), width, keys, mask.to(device))
+
+
+def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: ExactPlan,
+                    scale: float | None) -> torch.Tensor:
+    """Attention of ``query`` (1, heads, q, d) over the cache ``key``/``value`` (1, kv_heads, slots, d) by ``plan``;
+    returns (1, q, heads, d), zeros in the rows the plan leaves out (padding)."""
+    _, heads, q, d = query.shape
+    rows = query[0].transpose(0, 1)  # (q, heads, d)
+    out = query.new_zeros(q, heads, d)
+    with one_thread():
+        for g in plan.groups:
+            _attend(g, rows, key, value, out, scale)
+    return out[None]
+
+
+@contextmanager
+def one_thread():
+    """Inside, torch's CPU operators run on one thread (see the module's docstring); restored after."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
+def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+            scale: float | None) -> None:
+    """One call: the group's rows of ``rows`` (q, heads, d) over ``key``/``value``, written into ``out``."""
+    heads, d = rows.shape[1:]
+    kv, m = key.shape[1], g.rows.numel()
+    qs = rows.index_select(0, g.rows).reshape(m, kv, heads // kv, d)  # query heads folded per K/V head
+    if g.keys is None:
+        k = key[:, :, :g.width].expand(m, -1, -1, -1)
+        v = value[:, :, :g.width].expand(m, -1, -1, -1)
+    else:  # (kv, m * width, d) -> (m, kv, width, d)
+        k = key[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
+        v = value[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
+    o = scaled_dot_product_attention(qs, k, v, attn_mask=g.mask, scale=scale)  # (m, kv, group, d)
+    out.index_copy_(0, g.rows, o.reshape(m, heads, d))
+
+
+# --- the start-up self-test ------------------------------------------------------------------------------
+
+_ROWS: dict[tuple, tuple[int, int]] = {}  # (device, dtype, kind, in, out, buckets) -> rows that keep each row's bits
+_BATCHED: dict[tuple, bool] = {}  # (device, dtype, heads, kv_heads, head_dim) -> batching rows keeps their bits
+
+
+def in_chunks(fn, x: torch.Tensor, most: int) -> torch.Tensor:
+    """``fn(x)`` for ``x`` (..., n, in) in calls of at most ``most`` rows."""
+    if x.shape[-2] <= most:
+        return fn(x)
+    return torch.cat([fn(part) for part in x.split(most, dim=-2)], dim=-2)
+
+
+def row_range(linear: nn.Module, in_features: int, buckets: tuple[int, ...], device: torch.device,
+              dtype: torch.dtype) -> tuple[int, int]:
+    """(least, most): a pass of ``b`` rows, for every bucket b from ``least`` to ``most``, gives each row the bits it
+    gets in a pass of ``least`` rows (itself and a padding row when least is 2), for random inputs of a few scales.
+    Kernels pick their path by the number of rows: on one CPU every bf16 linear of Qwen2.5-Coder-1.5B computes one
+    row (a matrix-vector product) with other bits than 2 to 64 rows, which agree with each other; such a model's
+    exact passes run on at least 2 rows (most = 1: none agree)."""
+    key = (str(device), dtype, type(linear).__name__, in_features, getattr(linear, "out_features", None), buckets)
+    if key not in _ROWS:
+        rows = buckets[-1]
+        out = getattr(linear, "out_features", None) or 1
+        trials = max(1, min(6, 300_000 // (out * rows)))  # rounding differences are rare: look at enough outputs
+        gen = torch.Generator().manual_seed(0)
+        xs = [(torch.randn(rows, in_features, generator=gen) * 4.0 ** (t % 3 - 1)).to(device=device, dtype=dtype)
+              for t in range(trials)]
+        found = []
+        with torch.no_grad():
+            for least in (1, 2):
+                refs = [torch.cat([linear(part) for part in x.split(least)]) for x in xs]  # each row in a least-row pass
+                most = 0
+                for b in (b for b in buckets if b >= least):
+                    if not all(torch.equal(linear(x[:b]), ref[:b]) for x, ref in zip(xs, refs)):
+                        break
+                    most = b
+                found.append((least, most))
+                if most == buckets[-1]:
+                    break
+        _ROWS[key] = max(found, key=lambda lm: (lm[1], -lm[0]))
+    return _ROWS[key]
+
+
+def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether, on one thread, a query row's attention has the same bits alone (as the plain step runs it) and beside
+    47 other rows in one call, at widths of one to three key blocks."""
+    key = (str(device), dtype, heads, kv_heads, head_dim)
+    if key not in _BATCHED:
+        gen = torch.Generator().manual_seed(0)
+        m, group, ok = 48, heads // kv_heads, True
+        for width in (64, 160, 544, 1056):
+            q = torch.randn(m, kv_heads, group, head_dim, generator=gen).to(device=device, dtype=dtype)
+            k = torch.randn(1, kv_heads, width, head_dim, generator=gen).to(device=device, dtype=dtype)
+            v = torch.randn(1, kv_heads, width, head_dim, generator=gen).to(device=device, dtype=dtype)
+            seen = torch.randint(1, width + 1, (m,), generator=gen)
+            mask = torch.where(torch.arange(width) < seen[:, None], 0.0, torch.finfo(dtype).min)
+            mask = mask.to(device=device, dtype=dtype)[:, None, None]  # (m, 1, 1, width)
+
+            def attend(rows: list[int]) -> torch.Tensor:
+                n = len(rows)
+                return scaled_dot_product_attention(q[rows], k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1),
+                                                    attn_mask=mask[rows], scale=head_dim ** -0.5)
+
+            with one_thread():
+                together = attend(list(range(m)))
+                ok &= all(torch.equal(attend([r])[0], together[r]) for r in range(m))
+        _BATCHED[key] = ok
+    return _BATCHED[key]
+
+
+@dataclass
+class ExactSupport:
+    """What the self-test found for one model: whether its passes can be exact, and how to run them."""
+
+    exact: bool
+    least: int = 1  # rows a pass runs on at least (a plain step's root and a padding row when 2)
+    batched: bool = True  # rows of equal width share an attention call
+    reason: str = ""  # why not exact
+    chunked: dict[nn.Module, int] = field(default_factory=dict)  # packed linears run on at most that many rows
+
+
+def _attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    c = model.config
+    heads = c.num_attention_heads
+    return heads, getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads
+
+
+def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
+    """Run the self-test on ``model``'s shapes for passes padded to ``buckets`` rows (the LM head included)."""
+    from .packed_linear import PackedLinear
+
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if impl != "sdpa":
+        return ExactSupport(False, reason=f"the model attends with '{impl}', not 'sdpa'")
+    param = next(p for p in model.parameters() if p.is_floating_point())
+    device, dtype = param.device, param.dtype
+    found = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "in_features") and hasattr(module, "out_features"):
+            found[name, module] = row_range(module, module.in_features, buckets, device, dtype)  # cached per shape
+    least = max(least for least, _ in found.values())
+    chunked = {}
+    for (name, module), (_, most) in found.items():
+        if most < max(least, buckets[-1]) and (most < least or not isinstance(module, PackedLinear)):
+            return ExactSupport(False, reason=f"{name} ({module.in_features} -> {module.out_features}) gives a row "
+                                              f"other bits in a pass of more than {most} rows")
+        if most < buckets[-1]:
+            chunked[module] = most
+    return ExactSupport(True, least, batching_keeps_rows(*_attention_shape(model), device, dtype), chunked=chunked)
+
+
+@contextmanager
+def row_chunks(support: ExactSupport):
+    """Inside, the packed linears the self-test found row-variant in large passes run in chunks that keep each row's
+    bits."""
+    for module, rows in support.chunked.items():
+        module.max_rows = rows
+    try:
+        yield
+    finally:
+        for module in support.chunked:
+            module.max_rows = 0
+
+
