@@ -34,11 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_decoding_options(p, max_new_tokens=160)
 
 
-def _row(name: str, res: GenerationResult, base: GenerationResult, width: int) -> str:
+def _row(name: str, res: GenerationResult, base: GenerationResult, width: int, same: str, added: str) -> str:
     s = res.stats
     speed = s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0
-    return (f"{name:<{width}} {s.new_tokens:>6} {s.tokens_per_s:>9.1f} {speed:>7.2f}x {s.mean_accepted:>6.2f} "
-            f"{s.target_forwards:>8}")
+    return (f"{name:<{width}} {s.tokens_per_s:>9.1f} {speed:>7.2f}x {s.mean_accepted:>5.2f} {s.target_forwards:>6}  "
+            f"{same:<{SAME_WIDTH}} {added}")
+
+
+SAME_WIDTH = 34
 
 
 def _drafters(model, tokenizer, folders: list[Path]) -> list[tuple[str, object]]:
@@ -54,12 +57,12 @@ def _drafters(model, tokenizer, folders: list[Path]) -> list[tuple[str, object]]
 
 
 def _same(d: Divergence, dtype: str) -> str:
-    """'yes', or where the output differs and whether that is rounding (a near-tie) or a bug."""
+    """'identical', or where the output differs and whether that is rounding (a near-tie) or a bug."""
     if d.verdict == IDENTICAL:
-        return "yes"
+        return "identical"
     if d.verdict == NEAR_TIE:
-        return f"no, from token {d.index}: a {dtype} near-tie (rounding, not an error)"
-    return f"NO, from token {d.index}: a real divergence ({d.reason})"
+        return f"differs by {dtype} rounding at token {d.index}"
+    return f"DIFFERS at token {d.index}: a bug ({d.reason})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,33 +80,44 @@ def run(args: argparse.Namespace) -> int:
     cfg = decode_config(args)  # greedy
     folders = [Path(args.heads)] if args.heads else find_heads(args.model, args.heads_path)
     drafters = _drafters(model, tokenizer, folders)
-    target = make_target_pass(model, args.target_pass)  # one static cache (and packing) for every row
+    target = make_target_pass(model, args.target_pass, args.exact)  # one static cache (and packing) for every row
     SpeculativeEngine(model, backend=target).generate(ids[:8], DecodeConfig(max_new_tokens=4))  # warm-up
     plain = SpeculativeEngine(model, None, tokenizer, target).generate(ids, cfg)
     results = [(name, SpeculativeEngine(model, d, tokenizer, target).generate(ids, cfg), d)
                for name, d in drafters]
     base_params = weight_numel(model)
     model_bytes = predict_target(model).weights
+    exact = "exact " if plain.stats.exact else ""
     print(f"model: {args.model} ({base_params / 1e6:.0f}M parameters), {plain.stats.dtype} (--dtype {args.dtype}), "
-          f"{plain.stats.target_pass} target pass, greedy, {cfg.max_new_tokens} new tokens\n")
+          f"{plain.stats.target_pass} {exact}target pass, greedy, {cfg.max_new_tokens} new tokens\n")
     print(f"prompt: {args.prompt}\n")
     print("--- plain decoding ---")
     print(plain.text)
     print()
     width = max(len(name) for name, _ in drafters)
-    print(f"{'method':<{width}} {'tokens':>6} {'tokens/s':>9} {'speedup':>8} {'tau':>6} {'passes':>8}")
-    print(_row("plain", plain, plain, width))
+    print(f"{'method':<{width}} {'tokens/s':>9} {'speedup':>8} {'tau':>5} {'passes':>6}  "
+          f"{'output vs plain':<{SAME_WIDTH}} memory added")
+    print(_row("plain", plain, plain, width, "-", "-"))
     ok = True
     checker = DivergenceChecker(model, max_new_tokens=cfg.max_new_tokens)
     for name, res, drafter in results:
-        print(_row(name, res, plain, width))
         verdict = checker.diagnose(ids, plain.tokens, res.tokens)
         ok &= verdict.verdict != REAL
         added = predict_added(model, drafter, cfg.max_nodes).at(len(ids) + cfg.max_new_tokens)
-        print(f"{'':<{width}} identical to plain: {_same(verdict, plain.stats.dtype)}; adds {format_bytes(added)} "
-              f"({100 * added / model_bytes:.1f}% of the model's {format_bytes(model_bytes)}): "
-              f"{drafter.extra_parameters() / 1e6:.2f}M parameters + its cache and draft tree")
+        print(_row(name, res, plain, width, _same(verdict, plain.stats.dtype),
+                   f"{format_bytes(added)} ({100 * added / model_bytes:.1f}% of {format_bytes(model_bytes)})"))
+    print()
+    if plain.stats.exact:
+        print("exact target pass: each row of a verification pass is computed as a plain step computes it, so "
+              "speculative output is bit-identical to plain decoding (--no-exact: faster passes, bf16 outputs may "
+              "differ at near-ties)")
+    elif plain.stats.target_pass == "eager" or not args.exact:
+        print(f"{plain.stats.target_pass} target pass without --exact: in {plain.stats.dtype} a many-token pass may "
+              "round a near-tie differently from one-token steps; each difference is diagnosed above")
     if not folders:
         where = ", ".join(str(d) for d in args.heads_path)
-        print(f"\n(no trained heads for {args.model} on --heads-path ({where}): showing training-free prompt lookup)")
+        print(f"(no trained heads for {args.model} on --heads-path ({where}): showing training-free prompt lookup)")
+    heads = f" --heads {folders[0]}" if folders else " --drafter prompt-lookup"
+    print(f"\nnext: selfspec generate --model {args.model}{heads} --prompt \"Explain KV caches\"   "
+          f"(then: selfspec bench --model {args.model} --n 4)")
     return 0 if ok else 1

@@ -75,14 +75,14 @@ def run(args: argparse.Namespace) -> int:
     check_fits(load_config(args.model), len(ids), args.max_new_tokens)
     model, tokenizer = load_target(args)
     drafter = build_drafter(args, model, tokenizer)
-    engine = SpeculativeEngine(model, drafter, tokenizer, backend=args.target_pass)
+    engine = SpeculativeEngine(model, drafter, tokenizer, backend=args.target_pass, exact=args.exact)
     cfg = decode_config(args)
     if args.json:
         res = engine.generate(ids, cfg)
         s = res.stats
         print(json.dumps({"text": res.text, "new_tokens": s.new_tokens, "tokens_per_s": s.tokens_per_s,
                           "mean_accepted": s.mean_accepted, "target_forwards": s.target_forwards,
-                          "dtype": s.dtype, "target_pass": s.target_pass,
+                          "dtype": s.dtype, "target_pass": s.target_pass, "exact": s.exact,
                           "drafter": drafter.name if drafter else "none", "stats": s.to_dict()}))
         return 0
     stats = GenerationStats()
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     drafts = ", ".join(f"{n} by {source}" for source, n in stats.drafts_by_source.items())
     print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.mean_accepted:.2f}, "
-          f"{stats.target_forwards} target passes, {stats.dtype} {stats.target_pass} pass, "
+          f"{stats.target_forwards} target passes, {stats.dtype} {stats.target_pass}{' exact' if stats.exact else ''} pass, "
           f"drafter {drafter.name if drafter else 'none'}"
           f"{'; drafts: ' + drafts if drafts else ''}]", file=sys.stderr)
     return 0

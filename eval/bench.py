@@ -238,7 +238,7 @@ def bench(args: argparse.Namespace) -> dict:
     methods = build_methods(names, target, tok, draft, heads, args.draft_vocab, lookup=not args.no_lookup, vllm=vllm,
                             vllm_spec_tokens=args.vllm_spec_tokens)
     dense = linear_modules(target)  # transformers' methods keep running on the dense weights the pass packs
-    shared = make_target_pass(target, args.target_pass)
+    shared = make_target_pass(target, args.target_pass, args.exact)
     for m in methods:
         m.target_pass = shared
         m.dense = dense if m.kind == "hf" and is_packed(target) else None
@@ -253,7 +253,7 @@ def bench(args: argparse.Namespace) -> dict:
         raise SelfspecError(f"no runs in {out} to report")
     rows = read_records(log)
     rows = [r for r in rows if r["method"] in names]
-    divergence = check_outputs(rows, names, target, args.max_new_tokens, out)  # float32 re-checks, stored
+    divergence = check_outputs(rows, names, target, args.max_new_tokens, out, shared.exact)  # float32 re-checks
     summary = summarize(rows, names, verdicts=verdicts(divergence))
     plain = "plain" if "plain" in names else summary["baseline"]
     plain_rows = {r["prompt"]: r for r in rows if r["method"] == plain}
@@ -268,7 +268,7 @@ def bench(args: argparse.Namespace) -> dict:
         m.close()
     report = {"setup": {**{k: v for k, v in vars(args).items() if k != "heads"}, "heads": heads,
                         "methods": names, "device": str(target.device), "dtype_used": dtype_name(dtype),
-                        "target_pass_used": shared.name,
+                        "target_pass_used": shared.name, "exact": shared.exact,
                         "torch_threads": torch.get_num_threads()},
               "summary": summary, "target_memory": predict_target(target).to_dict(), "memory": memory,
               "budgets": budget_rows, "divergence": divergence}

@@ -1,7 +1,8 @@
 """The bench's losslessness check: every output that differs from the reference method's, diagnosed at
 its first differing token (:mod:`selfspec.divergence`): identical, a rounding near-tie, or real (a bug).
 
-The reference is ``hf`` when it ran, else ``plain``. Diagnoses are appended to ``OUT/divergence.jsonl``,
+The reference is ``hf`` when it ran, else ``plain``; with an exact target pass (``selfspec/exact.py``), whose promise
+is bit-identity to selfspec's own plain decoding, ``plain`` when it ran. Diagnoses are appended to ``OUT/divergence.jsonl``,
 keyed by a hash of (dtype, safety factor, prompt ids, both outputs), so ``--report-only`` and a resumed
 run re-read them instead of recomputing. An output is ``unchecked`` when its prompt ids differ from the
 reference's (a later turn, after an earlier turn's answers diverged: that turn has its own verdict) or
@@ -25,9 +26,9 @@ UNCHECKED = "unchecked"
 STORE = "divergence.jsonl"
 
 
-def reference_method(methods: list[str]) -> str | None:
-    """``hf`` when it ran, else ``plain``, else None (nothing to check against)."""
-    return next((m for m in REFERENCES if m in methods), None)
+def reference_method(methods: list[str], exact: bool = False) -> str | None:
+    """``hf`` when it ran, else ``plain``, else None (nothing to check against); ``exact``: ``plain`` first."""
+    return next((m for m in (REFERENCES[::-1] if exact else REFERENCES) if m in methods), None)
 
 
 def diagnosis_key(dtype: str, safety: float, prompt_ids: list[int], reference: list[int], other: list[int]) -> str:
@@ -65,16 +66,17 @@ def diagnose_runs(rows: list[dict], reference: str, checker: DivergenceChecker, 
 
 
 def check_outputs(rows: list[dict], methods: list[str], target: nn.Module, max_new_tokens: int,
-                  folder: Path) -> dict | None:
+                  folder: Path, exact: bool = False) -> dict | None:
     """The report's ``divergence`` section: reference, dtype, safety factor and every output that is not
     identical; None without a reference method. Counts per method: :func:`selfspec_eval.metrics.summarize`
     with :func:`verdicts`. The float32 copy of ``target`` is built only if an output needs it."""
-    reference = reference_method(methods)
+    reference = reference_method(methods, exact)
     if reference is None:
         return None
     checker = DivergenceChecker(target, max_new_tokens=max_new_tokens)
     records = diagnose_runs(rows, reference, checker, folder / STORE)
-    return {"reference": reference, "dtype": str(model_dtype(target)).removeprefix("torch."), "safety": SAFETY,
+    return {"reference": reference, "exact": exact, "dtype": str(model_dtype(target)).removeprefix("torch."),
+            "safety": SAFETY,
             "diagnoses": [r for r in records if r["verdict"] != IDENTICAL]}
 
 

@@ -46,7 +46,8 @@ def _dtype_pass(setup: dict) -> str:
     """'bfloat16 (--dtype auto), static target pass' from a run's setup (older reports lack the *_used keys)."""
     used = setup.get("dtype_used", setup["dtype"])
     text = f"{used} (--dtype auto)" if setup["dtype"] == "auto" and used != "auto" else used
-    return f"{text}, {setup['target_pass_used']} target pass" if setup.get("target_pass_used") else text
+    exact = " (exact)" if setup.get("exact") else ""
+    return f"{text}, {setup['target_pass_used']}{exact} target pass" if setup.get("target_pass_used") else text
 
 
 def markdown(report: dict) -> str:
@@ -56,7 +57,8 @@ def markdown(report: dict) -> str:
     lines = [f"# selfspec bench: {setup['model']}", "",
              f"{s['questions']} questions, {setup['max_new_tokens']} new tokens, greedy, {_dtype_pass(setup)}, "
              f"{setup['device']}; methods interleaved per question after a warm-up. Speedup is against "
-             f"`{s['baseline']}`; identical = greedy output equal to `{s['baseline']}`'s.", ""]
+             f"`{s['baseline']}`; identical = greedy output equal to "
+             f"`{(report.get('divergence') or {}).get('reference', s['baseline'])}`'s.", ""]
     if "draft-model" in s["categories"][OVERALL] and not setup.get("no_lookup"):
         lines += ["selfspec `draft-model` drafts by prompt lookup where the context repeats itself (an n-gram of "
                   "3+ tokens seen before) and with the draft model elsewhere (`--no-lookup`: the draft model alone).", ""]

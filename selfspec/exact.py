@@ -14,10 +14,12 @@ work row by row. So the exact pass fixes how each query row attends:
     rows      rows of equal width run as one call along the batch dimension, each row its own batch entry with
               its query heads folded per K/V head, where the start-up self-test finds that a row's bits do not
               depend on the other entries of its call; else one call per row
-    a thread  every call runs on one thread: the CPU kernel's per-thread scratch buffers sit at offsets that
-              depend on the width, and on one 2-core CPU the same (row, head) computed by the second thread
-              came out with other bits than by the first (real activations, widths = 0 or 3 mod 4), so a row's
-              result would depend on where in its call it lands
+    threads   torch's CPU attention kernel gives each thread a scratch buffer at an offset that depends on the
+              number of query rows per K/V head and the width; where that offset is not 64-byte aligned, the
+              same (row, head) computed by the second thread came out with other bits than by the first (one
+              2-core CPU, real activations, widths = 0 or 3 mod 4), so a row's result depended on where in its
+              call it landed. Each K/V head's query block is padded with zero rows (``query_rows``: 8 for
+              SmolLM2's 3 and Qwen2.5's 6 query heads per K/V head), which aligns every thread's buffers
     linears   the self-test finds, per weight shape, the pass sizes (buckets) whose rows get the bits a plain step
               gives them: on the CPUs checked one row takes another kernel than 2 to 64 rows, so a plain step runs
               on two rows (its root and a padding row, as the smallest bucket); a packed linear row-variant above
@@ -40,6 +42,16 @@ from torch.nn.functional import scaled_dot_product_attention
 log = logging.getLogger(__name__)
 
 WIDTH_STEP = 32  # key widths are rounded up to this: fewer distinct widths (calls) per pass, <= 31 masked keys
+
+
+def query_rows(group: int, head_dim: int) -> int:
+    """Query rows per K/V head a call runs on (the group's own, then zeros): the fewest >= ``group`` for which the
+    attention kernel's per-thread buffers, rows x (width + 2 + head_dim) floats and rows x width bf16 values, are
+    whole 64-byte lines at every width that is a multiple of ``WIDTH_STEP`` (8 rows for head_dim 64 or 128)."""
+    rows = group
+    while rows < 32 and (rows * (head_dim + 2) * 4) % 64:
+        rows += 1
+    return rows
 
 
 def width_for(position: int, slots: int) -> int:
@@ -75,14 +87,16 @@ def ancestor_path(parents: list[int], node: int) -> list[int]:
 def plan_pass(parents: list[int], depth: list[int], cache_len: int, slots: int, dtype: torch.dtype,
               device: torch.device, batched: bool = True) -> ExactPlan:
     """The plan for a pass over a tree (``parents``, ``depth``; node i written at slot cache_len + i) on a cache of
-    ``slots`` slots. ``batched``: rows of a width share a call; False: every row its own call."""
-    by_width: dict[int, list[tuple[int, list[int] | None]]] = {}
+    ``slots`` slots. ``batched``: rows of a width share a call (those that read the cache in place apart from those
+    whose keys are gathered); False: every row its own call."""
+    calls: dict[tuple[int, bool], list[tuple[int, list[int] | None]]] = {}
     for node in range(len(parents)):
         path = ancestor_path(parents, node)
-        in_place = path == list(range(node + 1))  # the row's keys are slots 0..position already
-        by_width.setdefault(width_for(cache_len + depth[node], slots), []).append((node, None if in_place else path))
+        in_place = path == list(range(node + 1))  # the row's keys are slots 0..position already: no copy
+        calls.setdefault((width_for(cache_len + depth[node], slots), in_place), []).append(
+            (node, None if in_place else path))
     groups = []
-    for width, members in by_width.items():
+    for (width, _), members in calls.items():
         parts = [members] if batched else [[m] for m in members]
         groups += [_group(part, width, cache_len, dtype, device) for part in parts]
     return ExactPlan(groups)
@@ -110,23 +124,9 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _, heads, q, d = query.shape
     rows = query[0].transpose(0, 1)  # (q, heads, d)
     out = query.new_zeros(q, heads, d)
-    with one_thread():
-        for g in plan.groups:
-            _attend(g, rows, key, value, out, scale)
+    for g in plan.groups:
+        _attend(g, rows, key, value, out, scale)
     return out[None]
-
-
-@contextmanager
-def one_thread():
-    """Inside, torch's CPU operators run on one thread (see the module's docstring); restored after."""
-    threads = torch.get_num_threads()
-    if threads > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if threads > 1:
-            torch.set_num_threads(threads)
 
 
 def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
@@ -134,15 +134,17 @@ def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """One call: the group's rows of ``rows`` (q, heads, d) over ``key``/``value``, written into ``out``."""
     heads, d = rows.shape[1:]
     kv, m = key.shape[1], g.rows.numel()
-    qs = rows.index_select(0, g.rows).reshape(m, kv, heads // kv, d)  # query heads folded per K/V head
+    group = heads // kv
+    qs = rows.new_zeros(m, kv, query_rows(group, d), d)  # query heads folded per K/V head, padded
+    qs[:, :, :group] = rows.index_select(0, g.rows).view(m, kv, group, d)
     if g.keys is None:
         k = key[:, :, :g.width].expand(m, -1, -1, -1)
         v = value[:, :, :g.width].expand(m, -1, -1, -1)
     else:  # (kv, m * width, d) -> (m, kv, width, d)
         k = key[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
         v = value[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
-    o = scaled_dot_product_attention(qs, k, v, attn_mask=g.mask, scale=scale)  # (m, kv, group, d)
-    out.index_copy_(0, g.rows, o.reshape(m, heads, d))
+    o = scaled_dot_product_attention(qs, k, v, attn_mask=g.mask, scale=scale)  # (m, kv, query rows, d)
+    out.index_copy_(0, g.rows, o[:, :, :group].reshape(m, heads, d))
 
 
 # --- the start-up self-test ------------------------------------------------------------------------------
@@ -190,12 +192,12 @@ def row_range(linear: nn.Module, in_features: int, buckets: tuple[int, ...], dev
 
 
 def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether, on one thread, a query row's attention has the same bits alone (as the plain step runs it) and beside
-    47 other rows in one call, at widths of one to three key blocks."""
+    """Whether a query row's attention (``exact_attention``'s call: padded query blocks) has the same bits alone, as
+    the plain step runs it, and beside 47 other rows in one call, at widths of one to three key blocks."""
     key = (str(device), dtype, heads, kv_heads, head_dim)
     if key not in _BATCHED:
         gen = torch.Generator().manual_seed(0)
-        m, group, ok = 48, heads // kv_heads, True
+        m, group, ok = 48, query_rows(heads // kv_heads, head_dim), True
         for width in (64, 160, 544, 1056):
             q = torch.randn(m, kv_heads, group, head_dim, generator=gen).to(device=device, dtype=dtype)
             k = torch.randn(1, kv_heads, width, head_dim, generator=gen).to(device=device, dtype=dtype)
@@ -209,9 +211,8 @@ def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.
                 return scaled_dot_product_attention(q[rows], k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1),
                                                     attn_mask=mask[rows], scale=head_dim ** -0.5)
 
-            with one_thread():
-                together = attend(list(range(m)))
-                ok &= all(torch.equal(attend([r])[0], together[r]) for r in range(m))
+            together = attend(list(range(m)))
+            ok &= all(torch.equal(attend([r])[0], together[r]) for r in range(m))
         _BATCHED[key] = ok
     return _BATCHED[key]
 

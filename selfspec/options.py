@@ -134,6 +134,10 @@ def add_model_options(p: argparse.ArgumentParser, several_passes: bool = False) 
                        help=how + "; several, separated by commas, are timed side by side")
     else:
         g.add_argument("--target-pass", default="auto", choices=("auto", *BACKENDS), help=how)
+    g.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                   help="the static pass computes every row as a plain step does, so output is bit-identical to "
+                        "plain decoding in any dtype, where this device's start-up self-test allows (default: on; "
+                        "--no-exact: today's faster pass, bf16 outputs may differ at near-ties)")
     g.add_argument("--device", default="cpu", type=device, help="cpu, cuda, cuda:1, ...")
     g.add_argument("--threads", type=non_negative_int, default=0, help="torch CPU threads (0: torch's default)")
 
