@@ -1,0 +1,171 @@
+"""The exact target pass: in bf16, every method's greedy output equals plain greedy decoding bit for bit.
+
+The negative controls matter as much: the same runs without the exact pass do differ (so the positive tests can
+fail), a row's results do not move when the other rows of its pass change, and the start-up self-test catches a
+linear made row-variant on purpose.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import OracleTreeDrafter, perturb, prompt_for, tiny_model
+from selfspec import exact
+from selfspec.drafters.draft_model import DraftModelDrafter
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.heads import init_heads, make_drafter
+from selfspec.target_pass import make_target_pass
+from selfspec.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, NEW = 256, 40
+
+
+def bf16_model(seed: int, arch: str) -> nn.Module:
+    """A tiny bf16 model with flat logits (near-ties are common: what makes bf16 outputs differ)."""
+    model = tiny_model(seed, vocab=VOCAB, layers=3, hidden=64, arch=arch)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.2)
+    return model.to(torch.bfloat16)
+
+
+def drafters(name: str, model: nn.Module, reference: list[int], seed: int):
+    if name == "tree64":  # wide random trees up to 64 nodes around the true continuation
+        return OracleTreeDrafter(reference, VOCAB, seed, width=8, corrupt=0.5)
+    if name == "lookup":
+        return PromptLookupDrafter()
+    if name == "draft-model":
+        return DraftModelDrafter(bf16_model(seed + 100, "llama"))
+    return make_drafter(perturb(init_heads("eagle", model, top_k=4, draft_vocab_size=VOCAB), seed, 0.2).to(torch.bfloat16),
+                        model)
+
+
+def outputs(exact_pass: bool, arch: str, drafter: str, seeds=range(3)) -> list[tuple[list[int], list[int]]]:
+    """(plain, speculative) greedy outputs for several models and prompts of several lengths."""
+    pairs = []
+    for seed in seeds:
+        model = bf16_model(seed, arch)
+        target = make_target_pass(model, "static", exact=exact_pass)
+        assert target.exact == exact_pass
+        cfg = DecodeConfig(max_new_tokens=NEW, max_depth=6, max_nodes=64, adaptive=False)
+        for length in (7, 23):
+            prompt = prompt_for(seed + length, length, VOCAB)
+            plain = SpeculativeEngine(model, None, backend=target).generate(prompt, cfg).tokens
+            d = drafters(drafter, model, prompt + plain, seed)
+            res = SpeculativeEngine(model, d, backend=target).generate(prompt, cfg)
+            assert res.stats.exact == exact_pass
+            pairs.append((plain, res.tokens))
+    return pairs
+
+
+@pytest.mark.parametrize("drafter", ["tree64", "lookup", "draft-model", "eagle"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_method_equals_plain_bit_for_bit_in_bf16(arch: str, drafter: str) -> None:
+    for plain, spec in outputs(True, arch, drafter):
+        assert spec == plain
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_without_the_exact_pass_bf16_outputs_do_differ(arch: str) -> None:
+    """Negative control: the same runs on today's pass round some near-ties the other way."""
+    pairs = outputs(False, arch, "tree64", seeds=range(4))
+    assert any(spec != plain for plain, spec in pairs)
+
+
+def _tree(tokens: list[int]) -> DraftTree:
+    # root, a 5-deep chain (nodes 1-5), and three branches hanging off the chain
+    return DraftTree(torch.tensor(tokens), [-1, 0, 1, 2, 3, 4, 0, 6, 1, 2, 8])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_rows_results_do_not_depend_on_the_other_rows(arch: str) -> None:
+    """The chain's rows give the same bits whatever the other branches hold, and the same as plain steps."""
+    model = bf16_model(7, arch)
+    target = make_target_pass(model, "static")
+    prompt = torch.tensor(prompt_for(3, 30, VOCAB))
+    chain_tokens = [5, 17, 42, 99, 3, 250]
+    results = []
+    for other in ([1, 2, 3, 4, 5], [200, 100, 50, 25, 12]):
+        handle = target.new_cache(64)
+        target.prefill(handle, prompt[:-1], False)
+        ver = target.verify(handle, _tree([*chain_tokens, *other]), 29, (-1,))
+        results.append((ver.logits[:6], ver.hidden_states[0][:6]))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    handle = target.new_cache(64)
+    target.prefill(handle, prompt[:-1], False)
+    for i, tok in enumerate(chain_tokens):  # plain steps along the chain
+        ver = target.verify(handle, DraftTree(torch.tensor([tok]), [-1]), 29 + i, (-1,))
+        target.keep(handle, 29 + i, [0])
+        assert torch.equal(ver.logits[0], results[0][0][i]) and torch.equal(ver.hidden_states[0][0], results[0][1][i])
+
+
+class RowVariant(nn.Linear):
+    """A linear whose kernel changes with the number of rows: from ``above`` rows on, a different summation order
+    (the product computed in two halves of the input), as a blocked kernel might."""
+
+    def __init__(self, above: int, in_features: int = 64, out_features: int = 48) -> None:
+        super().__init__(in_features, out_features, bias=False, dtype=torch.bfloat16)
+        self.above = above
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2] <= self.above:
+            return super().forward(x)
+        half = self.in_features // 2
+        return (nn.functional.linear(x[..., :half], self.weight[:, :half]).float()
+                + nn.functional.linear(x[..., half:], self.weight[:, half:]).float()).to(x.dtype)
+
+
+def test_the_self_test_detects_a_row_variant_linear(monkeypatch) -> None:
+    buckets = (1, 4, 8, 16, 32, 64)
+    cpu = torch.device("cpu")
+    for above, found in ((64, (1, 64)), (8, (1, 8)), (16, (1, 16))):
+        monkeypatch.setattr(exact, "_ROWS", {})  # results are cached per shape: these modules share one
+        assert exact.row_range(RowVariant(above), 64, buckets, cpu, torch.bfloat16) == found
+    model = bf16_model(0, "llama")
+    model.model.layers[1].mlp.down_proj = RowVariant(16, 128, 64)  # dense (unpacked): no chunks, so no exact pass
+    target = make_target_pass(model, "static", pack=False)
+    assert not target.exact and "down_proj" in target.support.reason and "16 rows" in target.support.reason
+
+
+def test_an_attention_kernel_that_batches_rows_differently_is_run_row_by_row(monkeypatch) -> None:
+    """If batching rows changed a row's bits, every row gets its own call (the plan's fallback)."""
+    real = exact.scaled_dot_product_attention
+
+    def batch_dependent(q, k, v, attn_mask=None, scale=None):
+        out = real(q, k, v, attn_mask=attn_mask, scale=scale)
+        return out if q.shape[0] == 1 else out + torch.finfo(out.dtype).eps * out.abs()
+
+    monkeypatch.setattr(exact, "scaled_dot_product_attention", batch_dependent)
+    monkeypatch.setattr(exact, "_BATCHED", {})
+    assert not exact.batching_keeps_rows(4, 2, 16, torch.device("cpu"), torch.bfloat16)
+    plan = exact.plan_pass([-1, 0, 1, 0], [0, 1, 2, 1], 40, 128, torch.bfloat16, torch.device("cpu"), batched=False)
+    assert all(g.rows.numel() == 1 for g in plan.groups)
+
+
+def test_plans_keep_every_rows_keys_in_plain_order() -> None:
+    """A branching row gathers the cache, then its ancestors in depth order, then itself; chain rows read in place."""
+    plan = exact.plan_pass([-1, 0, 1, 0, 3], [0, 1, 2, 1, 2], 5, 64, torch.float32, torch.device("cpu"))
+    rows = {}
+    for g in plan.groups:
+        for r, node in enumerate(g.rows.tolist()):
+            seen = int((g.mask[r, 0, 0] == 0).sum())
+            keys = list(range(g.width)) if g.keys is None else g.keys.view(-1, g.width)[r].tolist()
+            rows[node] = (keys[:seen], g.width, g.keys is None)
+    assert rows[2] == ([0, 1, 2, 3, 4, 5, 6, 7], 32, True)
+    assert rows[4] == ([0, 1, 2, 3, 4, 5, 8, 9], 32, False)
+    assert rows[3] == ([0, 1, 2, 3, 4, 5, 8], 32, False)
+    assert exact.width_for(31, 1000) == 32 and exact.width_for(32, 1000) == 64 and exact.width_for(900, 600) == 600
+
+
+def test_the_eager_pass_and_no_exact_say_they_are_not_exact() -> None:
+    model = bf16_model(1, "llama")
+    assert not make_target_pass(model, "eager").exact
+    off = make_target_pass(model, "static", exact=False)
+    assert not off.exact and "off" in off.support.reason
+    stats = SpeculativeEngine(model, None, backend=off).generate([1, 2, 3], DecodeConfig(max_new_tokens=3)).stats
+    assert stats.exact is False and stats.to_dict()["exact"] is False
