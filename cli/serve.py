@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_target(args)
     drafter = build_drafter(args, model, tokenizer)
     engine = SpeculativeEngine(model, drafter, tokenizer, backend=args.target_pass, exact=args.exact)
+    engine.check_config(decode_config(args))  # settings that cannot work: refused now, not on every request
     engine.generate(tokenizer.encode("Hello")[:4] or [0], DecodeConfig(max_new_tokens=4))  # first-pass costs now
     config = ServerConfig(model_name=args.served_model_name or args.model, max_waiting=args.queue_size,
                           smooth=not args.no_smoothing, default_max_tokens=args.max_new_tokens,

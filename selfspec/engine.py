@@ -25,6 +25,7 @@ from .dtypes import dtype_name
 from .memory import counted_bytes, model_dtype
 from .sampling import SamplingConfig, greedy_tokens, logits_to_probs
 from .stats import GenerationStats
+from .stopping import StopTokens, truncate_at_stop
 from .target_pass import EagerPass, make_target_pass
 from .tree import DraftTree, chain
 from .verify import Verification
@@ -128,26 +129,6 @@ def commit(target, state: DecodeState, tree: DraftTree, path: list[int], bonus: 
     return DecodeState(tokens, state.cache, state.prompt_len), new
 
 
-def truncate_at_stop(new: list[int], room: int, eos: set[int]) -> tuple[list[int], bool]:
-    """Cut ``new`` to the ``room`` tokens left and just after the first EOS. Returns (tokens, finished)."""
-    for i, tok in enumerate(new[:room]):
-        if tok in eos:
-            return new[: i + 1], True
-    return new[:room], len(new) >= room
-
-
-def stop_string_cut(tokenizer, generated: list[int], n_before: int, stop_strings: tuple[str, ...]) -> int | None:
-    """Smallest token count > ``n_before`` whose text contains a stop string, or None."""
-    if not stop_strings or tokenizer is None:
-        return None
-    if not any(s in tokenizer.decode(generated) for s in stop_strings):
-        return None
-    for m in range(n_before + 1, len(generated) + 1):
-        if any(s in tokenizer.decode(generated[:m]) for s in stop_strings):
-            return m
-    return None
-
-
 def eos_ids(model: torch.nn.Module, cfg: DecodeConfig) -> set[int]:
     """EOS ids from the request, else the model's generation config, else its config."""
     if cfg.eos_token_ids is not None:
@@ -179,6 +160,13 @@ class SpeculativeEngine:
         self.device = next(model.parameters()).device
         self.target = make_target_pass(self.model, backend, exact) if isinstance(backend, str) else backend
 
+    def check_config(self, cfg: DecodeConfig) -> None:
+        """Refuse, as one line, settings this engine's target pass cannot run (before any request needs them)."""
+        buckets = getattr(self.target, "buckets", None)
+        if buckets and cfg.max_nodes > buckets[-1]:
+            raise SelfspecError(f"a draft tree of {cfg.max_nodes} nodes (--max-nodes) exceeds the largest the "
+                                f"{self.target.name} target pass runs ({buckets[-1]}): lower --max-nodes")
+
     def _prompt_tensor(self, prompt: torch.Tensor | list[int]) -> torch.Tensor:
         ids = torch.as_tensor(prompt, dtype=torch.long).cpu()
         if ids.dim() == 2:
@@ -199,6 +187,7 @@ class SpeculativeEngine:
         stats.exact = bool(getattr(self.target, "exact", False))
         ids = self._prompt_tensor(prompt)
         check_fits(self.model.config, ids.numel(), cfg.max_new_tokens)  # before anything runs
+        self.check_config(cfg)
         gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
         need_hidden = self.drafter.state_layers if self.drafter is not None and self.drafter.needs_hidden_states else ()
         state, hs = prefill(self.model, ids, need_hidden, self.target, ids.numel() + cfg.max_new_tokens)
@@ -209,6 +198,7 @@ class SpeculativeEngine:
         policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive,
                              cost=VerifyCost(buckets=getattr(self.target, "buckets", None)))
         eos = eos_ids(self.model, cfg)
+        stops = StopTokens(self.tokenizer, cfg.stop_strings)
         generated: list[int] = []
         try:
             while True:
@@ -224,9 +214,9 @@ class SpeculativeEngine:
                 path, bonus = accept(tree, ver, cfg.sampling, gen)
                 state, new = commit(self.target, state, tree, path, bonus)
                 new, finished = truncate_at_stop(new, room, eos)
-                cut = stop_string_cut(self.tokenizer, generated + new, len(generated), cfg.stop_strings)
+                cut = stops.add(new)  # tokens of the whole answer it takes for a stop string to appear
                 if cut is not None:
-                    new, finished = (generated + new)[len(generated):cut], True
+                    new, finished = new[:cut - len(generated)], True
                 stats.draft_s += t1 - t0
                 stats.verify_s += t2 - t1
                 stats.max_tree_nodes = max(stats.max_tree_nodes, tree.size)

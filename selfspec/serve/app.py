@@ -22,6 +22,7 @@ from ..data import apply_chat_template
 from ..detokenize import IncrementalText
 from ..engine import DecodeConfig, SpeculativeEngine, eos_ids
 from ..errors import SelfspecError
+from ..stopping import StopText
 from .pacing import Pacer
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response, completion_chunk,
                        completion_response, error_body, new_id, usage, usage_chunk)
@@ -84,7 +85,8 @@ class Server:
                            code="context_length_exceeded") from None
         job = Job(ids, req.decode_config(max_new, self.config.decode), asyncio.get_running_loop())
         if not self.worker.accepting:
-            raise APIError(503, "the server is shutting down", type="unavailable")
+            why = f"the engine failed ({self.worker.failure})" if self.worker.failure else "the server is shutting down"
+            raise APIError(503, why, type="unavailable")
         if not self.worker.submit(job):
             raise APIError(429, f"the server is busy ({self.worker.waiting} requests waiting); retry later",
                            type="rate_limit_error", code="queue_full",
@@ -92,8 +94,8 @@ class Server:
         self.telemetry.queue(self.worker.waiting, self.worker.running is not None)
         return job
 
-    def finish_reason(self, job: Job, tokens: list[int]) -> str:
-        if not tokens:
+    def finish_reason(self, job: Job, tokens: list[int], stopped: bool = False) -> str:
+        if not tokens or stopped:
             return "stop"
         hit_limit = len(tokens) >= job.cfg.max_new_tokens
         return "length" if hit_limit and tokens[-1] not in eos_ids(self.engine.model, job.cfg) else "stop"
@@ -138,6 +140,7 @@ class Server:
         model = self.config.model_name
         pacer = Pacer(enabled=self.config.smooth if req.smooth is None else req.smooth)
         text = IncrementalText(self.tokenizer)
+        shown = StopText(job.cfg.stop_strings)  # the text up to, never including, a stop string
         backlog: deque[int] = deque()
         end: Finished | None = None
         last_sent: float | None = None
@@ -160,7 +163,7 @@ class Server:
                     else:
                         end = item
                 if backlog:
-                    piece = text.add([backlog.popleft()])
+                    piece = shown.add(text.add([backlog.popleft()]))
                     if piece:
                         now = time.monotonic()
                         if last_sent is None:
@@ -173,14 +176,14 @@ class Server:
                     if delay > 0:
                         await asyncio.sleep(delay)
                     continue
-                rest = text.finish()
+                rest = shown.add(text.finish()) + shown.finish()
                 if rest:
                     yield piece_chunk(rest)
                 self.done(endpoint, end, arrived)
                 if end.status == "error":
                     yield event(self.failed(end).body())
                 else:
-                    finish = self.finish_reason(job, end.tokens)
+                    finish = self.finish_reason(job, end.tokens, shown.stopped)
                     yield event(chat_chunk(rid, model, {}, finish) if chat else completion_chunk(rid, model, "", finish))
                     if req.stream_options and req.stream_options.include_usage:
                         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -206,8 +209,9 @@ class Server:
         end = await self.answer(job, request, endpoint, arrived)
         if end.status == "error":
             raise self.failed(end)
-        text = self.tokenizer.decode(end.tokens, skip_special_tokens=True)
-        finish = self.finish_reason(job, end.tokens)
+        shown = StopText(job.cfg.stop_strings)
+        text = shown.cut(self.tokenizer.decode(end.tokens, skip_special_tokens=True))
+        finish = self.finish_reason(job, end.tokens, shown.stopped)
         build = chat_response if endpoint == "chat" else completion_response
         return build(rid, self.config.model_name, text, finish, usage(len(job.ids), len(end.tokens)), self.summary(end))
 
@@ -268,9 +272,12 @@ def create_app(engine: SpeculativeEngine, tokenizer, config: ServerConfig) -> Fa
 
     @app.get("/health")
     async def health():
-        body = {"status": "ok" if server.worker.accepting else "stopping", "waiting": server.worker.waiting,
-                "running": server.worker.running is not None}
-        return JSONResponse(body, status_code=200 if server.worker.accepting else 503)
+        worker = server.worker
+        status = "ok" if worker.accepting else "failed" if worker.failure else "stopping"
+        body = {"status": status, "waiting": worker.waiting, "running": worker.running is not None}
+        if worker.failure:
+            body["error"] = worker.failure
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():

@@ -4,11 +4,14 @@ The engine decodes one sequence at a time (its static KV cache is shared by ever
 wait in a queue of at most ``max_waiting``; past it :meth:`EngineWorker.submit` refuses (the server answers
 429). Each step's committed tokens go to the request's ``asyncio.Queue`` on the server's event loop. A request
 whose client went away is cancelled: the engine stops it after the step in progress and takes the next.
+A request whose decoding fails is answered as a server fault (500) and the worker goes on; if the thread itself
+dies, it logs why, fails every waiting request and refuses new ones (``failure``: the server's health turns 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 from ..engine import DecodeConfig, SpeculativeEngine
 from ..errors import SelfspecError
 from ..stats import GenerationStats
+
+log = logging.getLogger("selfspec.serve")
 
 
 @dataclass
@@ -76,6 +81,7 @@ class EngineWorker:
         self.waiting = 0
         self.running: Job | None = None
         self.accepting = True
+        self.failure: str | None = None  # why the engine thread died, if it did
         self.request_s: float | None = None  # moving average of a request's decoding time (for Retry-After)
         self.thread = threading.Thread(target=self._loop, name="selfspec-engine", daemon=True)
 
@@ -112,37 +118,58 @@ class EngineWorker:
         self.thread.join(timeout)
 
     def _loop(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            with self.lock:
-                self.waiting -= 1
-                self.running = job
-            try:
-                self._run(job)
-            finally:
+        job = None
+        try:
+            while True:
+                job = self.jobs.get()
+                if job is None:
+                    return
                 with self.lock:
-                    self.running = None
+                    self.waiting -= 1
+                    self.running = job
+                try:
+                    self._run(job)
+                finally:
+                    with self.lock:
+                        self.running = None
+        except BaseException as exc:  # the thread is dying: say why, and let nobody wait for it
+            self._die(exc, job)
+
+    def _die(self, exc: BaseException, job: Job | None) -> None:
+        log.error("the engine thread died; the server refuses requests from now on", exc_info=exc)
+        with self.lock:
+            self.accepting = False
+            self.failure = f"{type(exc).__name__}: {exc}"
+        pending = [job] if job is not None else []
+        while True:
+            try:
+                pending.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        for waiting in pending:
+            if waiting is not None:
+                waiting.send(Finished("error", GenerationStats(), [], f"the engine failed ({self.failure})",
+                                      "unavailable"))
 
     def _run(self, job: Job) -> None:
         stats, tokens = GenerationStats(), []
         if job.cancelled.is_set():
             return self._finish(job, Finished("cancelled", stats, tokens))
         job.started = time.monotonic()
-        steps = self.engine.steps(job.ids, job.cfg, stats)
+        steps = None
         try:
+            steps = self.engine.steps(job.ids, job.cfg, stats)
             for new in steps:
                 tokens += new
                 job.send(Burst(new, time.monotonic()))
                 if job.cancelled.is_set():
                     break
-        except SelfspecError as exc:
-            return self._finish(job, Finished("error", stats, tokens, str(exc), "invalid_request_error"))
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the server
+        except Exception as exc:  # noqa: BLE001 - the request was checked when it came in: a fault of the server's,
+            log.exception("decoding a request failed")  # which must not stop it
             return self._finish(job, Finished("error", stats, tokens, f"{type(exc).__name__}: {exc}"))
         finally:
-            steps.close()
+            if steps is not None:
+                steps.close()
         elapsed = time.monotonic() - job.started
         self.request_s = elapsed if self.request_s is None else 0.7 * self.request_s + 0.3 * elapsed
         self._finish(job, Finished("cancelled" if job.cancelled.is_set() else "ok", stats, tokens))

@@ -1,0 +1,159 @@
+"""The serve path's own defects, on a tiny in-process model (uvicorn in a thread, seconds): stop strings cut out of
+the answer as OpenAI does (streamed or not, checked incrementally), a fault while decoding answered 500 with the
+server serving on, a dead engine thread turning /health to 503 and failing what waits, and settings that cannot
+work refused before a request needs them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import free_port, make_tokenizer, tiny_model
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.errors import SelfspecError
+from selfspec.stopping import StopText, StopTokens
+
+uvicorn = pytest.importorskip("uvicorn")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = "tiny"
+
+
+# --- the pieces ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7])
+def test_stop_text_never_shows_a_stop_string(split: int) -> None:
+    text = "Monday, then Tuesday, then Wednesday"
+    for stops, expected in (((" Tues",), "Monday, then"), (("Wednesday", ","), "Monday"), (("Friday",), text),
+                            (("day, t",), "Mon")):
+        shown = StopText(stops)
+        out = "".join(shown.add(text[i:i + split]) for i in range(0, len(text), split)) + shown.finish()
+        assert out == expected == StopText(stops).cut(text)
+        assert shown.stopped == (expected != text)
+
+
+def test_stop_tokens_count_the_tokens_that_complete_a_stop_string() -> None:
+    tok = make_tokenizer()
+    ids = tok.encode("abc Tuesday xyz")  # one token per byte
+    stops = StopTokens(tok, ("Tues",))
+    assert stops.add(ids[:5]) is None and stops.add(ids[5:7]) is None
+    assert stops.add(ids[7:12]) == 8  # "abc Tues" is 8 tokens
+    assert StopTokens(tok, ()).add(ids) is None
+
+
+# --- a live in-process server ----------------------------------------------------------------------
+
+class Live:
+    """An app over a tiny model, served by uvicorn in a thread on a free port."""
+
+    def __init__(self, **config) -> None:
+        from selfspec.serve import ServerConfig, create_app
+
+        self.tokenizer = make_tokenizer()
+        model = tiny_model(3, vocab=len(self.tokenizer), hidden=32)
+        self.engine = SpeculativeEngine(model, None, self.tokenizer, backend="static")
+        self.app = create_app(self.engine, self.tokenizer, ServerConfig(model_name=MODEL, **config))
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the server did not start")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def call(self, path: str, body: dict | None = None) -> tuple[int, str]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def complete(self, prompt: str, stream: bool = False, **extra) -> tuple[int, str, str | None]:
+        """(status, text, finish_reason) of a greedy completion; a stream's pieces joined."""
+        status, raw = self.call("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 40,
+                                                    "temperature": 0, "stream": stream, **extra})
+        if status != 200:
+            return status, raw, None
+        if not stream:
+            choice = json.loads(raw)["choices"][0]
+            return status, choice["text"], choice["finish_reason"]
+        text, finish = "", None
+        for line in raw.splitlines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"]
+                if choice:
+                    text += choice[0]["text"]
+                    finish = choice[0]["finish_reason"] or finish
+        return status, text, finish
+
+
+@pytest.fixture
+def live():
+    server = Live(smooth=False)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_never_appears_in_the_answer(live, stream: bool) -> None:
+    status, full, _ = live.complete("The days of the week:", stream)
+    assert status == 200 and len(full) > 12
+    stop = full[6:9]  # a piece from the middle of the answer: it ends there, before it
+    status, text, finish = live.complete("The days of the week:", stream, stop=[stop, "\x00never"])
+    assert status == 200 and stop not in text and text == full[:full.index(stop)] and finish == "stop"
+
+
+def test_a_fault_while_decoding_is_a_500_and_the_server_serves_on(live, monkeypatch) -> None:
+    real = live.engine.steps
+    calls = []
+
+    def failing(*args, **kwargs):  # a generator, as the engine's steps: the fault comes at its first step
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a fault of the server's")
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(live.engine, "steps", failing)
+    status, body, _ = live.complete("Hello")
+    assert status == 500 and json.loads(body)["error"]["type"] == "server_error"
+    assert live.complete("Hello")[0] == 200
+    assert live.call("/health")[0] == 200
+
+
+class Dying(BaseException):
+    """What no request handler catches: it kills the engine thread."""
+
+
+def test_a_dead_engine_thread_turns_health_to_503(live, monkeypatch) -> None:
+    def dying(*args, **kwargs):
+        raise Dying("the engine thread is gone")
+
+    monkeypatch.setattr(live.engine, "steps", dying)
+    status, body, _ = live.complete("Hello")
+    assert status == 503 and "the engine failed" in json.loads(body)["error"]["message"]
+    status, body = live.call("/health")
+    assert status == 503 and json.loads(body)["status"] == "failed" and "Dying" in json.loads(body)["error"]
+    assert live.complete("Hello again")[0] == 503  # refused at once, not left waiting
+
+
+def test_settings_that_cannot_work_are_refused_before_any_request() -> None:
+    engine = SpeculativeEngine(tiny_model(0), None, backend="static")
+    with pytest.raises(SelfspecError, match="--max-nodes"):
+        engine.check_config(DecodeConfig(max_nodes=128, adaptive=False))
+    engine.check_config(DecodeConfig(max_nodes=64))
+    with pytest.raises(SelfspecError, match="--max-nodes"):  # and a request would say the same, before prefill
+        engine.generate([1, 2, 3], DecodeConfig(max_nodes=65))
