@@ -254,7 +254,8 @@ def bench(args: argparse.Namespace) -> dict:
     rows = read_records(log)
     rows = [r for r in rows if r["method"] in names]
     divergence = check_outputs(rows, names, target, args.max_new_tokens, out, shared.exact)  # float32 re-checks
-    summary = summarize(rows, names, verdicts=verdicts(divergence))
+    summary = summarize(rows, names, verdicts=verdicts(divergence),
+                        identical_to=divergence["reference"] if divergence else None)
     plain = "plain" if "plain" in names else summary["baseline"]
     plain_rows = {r["prompt"]: r for r in rows if r["method"] == plain}
     added = {m.name: predicted_added(m, target, args.max_nodes) for m in methods}

@@ -60,10 +60,11 @@ def method_stats(rows: list[dict], baseline_rows: dict[str, dict] | None,
 
 
 def summarize(rows: list[dict], methods: list[str], baseline: str = "hf",
-              verdicts: dict[tuple[str, str], str] | None = None) -> dict:
+              verdicts: dict[tuple[str, str], str] | None = None, identical_to: str | None = None) -> dict:
     """``{category: {method: metrics + speedup}}`` with an ``overall`` category; baseline = ``hf`` if present.
 
-    ``verdicts``: the divergence check's verdicts of the outputs that are not identical to the reference's.
+    ``verdicts``: the divergence check's verdicts of the outputs that are not identical to the reference's;
+    ``identical_to``: the method whose outputs the identical counts compare with (default: the baseline).
     """
     base = baseline if baseline in methods else methods[0]
     prompts = set(complete_prompts(rows, methods))
@@ -73,7 +74,8 @@ def summarize(rows: list[dict], methods: list[str], baseline: str = "hf",
     for cat in [*categories, OVERALL]:
         in_cat = [r for r in rows if cat == OVERALL or r["category"] == cat]
         base_rows = {r["prompt"]: r for r in in_cat if r["method"] == base}
-        table = {m: method_stats([r for r in in_cat if r["method"] == m], base_rows, verdicts) for m in methods}
+        same_rows = {r["prompt"]: r for r in in_cat if r["method"] == (identical_to or base)}
+        table = {m: method_stats([r for r in in_cat if r["method"] == m], same_rows, verdicts) for m in methods}
         base_tps = table[base]["tokens_per_s"]
         for v in table.values():
             v["speedup"] = v["tokens_per_s"] / base_tps if base_tps else None
