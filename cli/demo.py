@@ -111,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
         print("exact target pass: each row of a verification pass is computed as a plain step computes it, so "
               "speculative output is bit-identical to plain decoding (--no-exact: faster passes, bf16 outputs may "
               "differ at near-ties)")
-    elif plain.stats.target_pass == "eager" or not args.exact:
-        print(f"{plain.stats.target_pass} target pass without --exact: in {plain.stats.dtype} a many-token pass may "
-              "round a near-tie differently from one-token steps; each difference is diagnosed above")
+    else:
+        why = getattr(getattr(target, "support", None), "reason", "") or "the eager pass is never exact"
+        print(f"{plain.stats.target_pass} target pass, not exact ({why}): in {plain.stats.dtype} a many-token pass "
+              "may round a near-tie differently from one-token steps; each difference is diagnosed above")
     if not folders:
         where = ", ".join(str(d) for d in args.heads_path)
         print(f"(no trained heads for {args.model} on --heads-path ({where}): showing training-free prompt lookup)")

@@ -15,7 +15,7 @@ COMMITTED = Path(__file__).resolve().parent.parent / "checkpoints"
 def test_demo_shows_identical_text(capsys):
     from selfspec_cli.demo import SAME_WIDTH
 
-    assert main(["demo", "--prompt", "Name three colours.", "--max-new-tokens", "24",
+    assert main(["demo", "--prompt", "Name three colours.", "--max-new-tokens", "24", "--dtype", "bfloat16",
                  "--heads-path", str(COMMITTED)]) == 0
     out = capsys.readouterr().out
     heads = len(find_heads("smollm2-135m-instruct", [COMMITTED]))
@@ -31,5 +31,5 @@ def test_demo_without_exact_diagnoses_each_difference(capsys):
     assert main(["demo", "--prompt", "Name three colours.", "--max-new-tokens", "24", "--no-exact",
                  "--heads-path", str(COMMITTED)]) == 0
     out = capsys.readouterr().out
-    assert "without --exact" in out and "exact target pass:" not in out
+    assert "not exact (off (--no-exact))" in out and "exact target pass:" not in out
     assert "DIFFERS" not in out  # identical, or "differs by <dtype> rounding at token N": never a bare "no"
