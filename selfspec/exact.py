@@ -11,9 +11,11 @@ work row by row. So the exact pass fixes how each query row attends:
               a branching tree's rows gather their ancestors behind the cache)
     width     every call is ``width(p) = round_up(p + 1, WIDTH_STEP)`` keys wide, the rest masked, in the plain
               step too: the kernel's reduction depends on the width, so rows of equal width can share a call
-    rows      rows of equal width run as one call along the batch dimension, each row its own batch entry with
-              its query heads folded per K/V head, where the start-up self-test finds that a row's bits do not
-              depend on the other entries of its call; else one call per row
+    rows      each row's query heads are folded per K/V head (one block per K/V head, as the plain step folds
+              them); rows of equal width that read the cache in place (a chain) stack their blocks in one call
+              over the one K, rows with keys of their own are one batch entry each, where the start-up
+              self-test finds that sharing a call leaves every row's bits as in a call of its own; else one
+              call per row
     threads   torch's CPU attention kernel gives each thread a scratch buffer at an offset that depends on the
               number of query rows per K/V head and the width; where that offset is not 64-byte aligned, the
               same (row, head) computed by the second thread came out with other bits than by the first (one
@@ -137,6 +139,13 @@ def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Ten
     group = heads // kv
     qs = rows.new_zeros(m, kv, query_rows(group, d), d)  # query heads folded per K/V head, padded
     qs[:, :, :group] = rows.index_select(0, g.rows).view(m, kv, group, d)
+    if g.keys is None and m > 1:  # one K for every row: the rows' padded query blocks stacked in one entry
+        qr = qs.shape[2]
+        q1 = qs.transpose(0, 1).reshape(1, kv, m * qr, d)
+        mask = g.mask[:, 0, 0].repeat_interleave(qr, 0)[None, None]
+        o = scaled_dot_product_attention(q1, key[:, :, :g.width], value[:, :, :g.width], attn_mask=mask, scale=scale)
+        out.index_copy_(0, g.rows, o.view(kv, m, qr, d)[:, :, :group].transpose(0, 1).reshape(m, heads, d))
+        return
     if g.keys is None:
         k = key[:, :, :g.width].expand(m, -1, -1, -1)
         v = value[:, :, :g.width].expand(m, -1, -1, -1)
@@ -151,13 +160,6 @@ def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 _ROWS: dict[tuple, tuple[int, int]] = {}  # (device, dtype, kind, in, out, buckets) -> rows that keep each row's bits
 _BATCHED: dict[tuple, bool] = {}  # (device, dtype, heads, kv_heads, head_dim) -> batching rows keeps their bits
-
-
-def in_chunks(fn, x: torch.Tensor, most: int) -> torch.Tensor:
-    """``fn(x)`` for ``x`` (..., n, in) in calls of at most ``most`` rows."""
-    if x.shape[-2] <= most:
-        return fn(x)
-    return torch.cat([fn(part) for part in x.split(most, dim=-2)], dim=-2)
 
 
 def row_range(linear: nn.Module, in_features: int, buckets: tuple[int, ...], device: torch.device,
@@ -192,27 +194,24 @@ def row_range(linear: nn.Module, in_features: int, buckets: tuple[int, ...], dev
 
 
 def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a query row's attention (``exact_attention``'s call: padded query blocks) has the same bits alone, as
-    the plain step runs it, and beside 47 other rows in one call, at widths of one to three key blocks."""
+    """Whether ``exact_attention`` gives every row the bits it gets in a call of its own (as the plain step runs it)
+    when rows share calls: a 32-node chain (its query blocks stacked over one K) and a branching tree (each row its
+    own keys), on caches of one to three key blocks."""
     key = (str(device), dtype, heads, kv_heads, head_dim)
     if key not in _BATCHED:
         gen = torch.Generator().manual_seed(0)
-        m, group, ok = 48, query_rows(heads // kv_heads, head_dim), True
-        for width in (64, 160, 544, 1056):
-            q = torch.randn(m, kv_heads, group, head_dim, generator=gen).to(device=device, dtype=dtype)
-            k = torch.randn(1, kv_heads, width, head_dim, generator=gen).to(device=device, dtype=dtype)
-            v = torch.randn(1, kv_heads, width, head_dim, generator=gen).to(device=device, dtype=dtype)
-            seen = torch.randint(1, width + 1, (m,), generator=gen)
-            mask = torch.where(torch.arange(width) < seen[:, None], 0.0, torch.finfo(dtype).min)
-            mask = mask.to(device=device, dtype=dtype)[:, None, None]  # (m, 1, 1, width)
-
-            def attend(rows: list[int]) -> torch.Tensor:
-                n = len(rows)
-                return scaled_dot_product_attention(q[rows], k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1),
-                                                    attn_mask=mask[rows], scale=head_dim ** -0.5)
-
-            together = attend(list(range(m)))
-            ok &= all(torch.equal(attend([r])[0], together[r]) for r in range(m))
+        ok = True
+        for cache_len, parents in ((40, [-1, *range(31)]), (500, [-1, *range(15)]), (1000, [-1, 0, 0, 1, 1, 2, 3, 3, 5, 4])):
+            n, slots = len(parents), 1088
+            depth = [0] * n
+            for i, p in enumerate(parents[1:], 1):
+                depth[i] = depth[p] + 1
+            q = torch.randn(1, heads, n, head_dim, generator=gen).to(device=device, dtype=dtype)
+            k = torch.randn(1, kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
+            v = torch.randn(1, kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
+            outs = [exact_attention(q, k, v, plan_pass(parents, depth, cache_len, slots, dtype, device, batched),
+                                    head_dim ** -0.5) for batched in (True, False)]
+            ok &= torch.equal(*outs)
         _BATCHED[key] = ok
     return _BATCHED[key]
 

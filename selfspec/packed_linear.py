@@ -116,10 +116,8 @@ class PackedLinear(nn.Module):
 
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The packed matmul (at most ``self.max_rows`` rows per call, if set)."""
-        if self.max_rows and x.dim() > 1:
-            from .exact import in_chunks
-
-            return in_chunks(self._matmul, x, self.max_rows)
+        if self.max_rows and x.dim() > 1 and x.shape[-2] > self.max_rows:
+            return torch.cat([self._matmul(part) for part in x.split(self.max_rows, dim=-2)], dim=-2)
         return self._matmul(x)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
