@@ -41,8 +41,10 @@ def drafters(name: str, model: nn.Module, reference: list[int], seed: int):
         return PromptLookupDrafter()
     if name == "draft-model":
         return DraftModelDrafter(bf16_model(seed + 100, "llama"))
-    return make_drafter(perturb(init_heads("eagle", model, top_k=4, draft_vocab_size=VOCAB), seed, 0.2).to(torch.bfloat16),
-                        model)
+    hyper = {"eagle": {"top_k": 4, "draft_vocab_size": VOCAB}, "eagle3": {"top_k": 4, "draft_vocab_size": VOCAB},
+             "medusa": {}, "early-exit": {"exit_layer": 1}}[name]
+    heads = perturb(init_heads(name, model, **hyper), seed, 0.2).to(torch.bfloat16)
+    return make_drafter(heads, model)
 
 
 def outputs(exact_pass: bool, arch: str, drafter: str, seeds=range(3)) -> list[tuple[list[int], list[int]]]:
@@ -63,7 +65,7 @@ def outputs(exact_pass: bool, arch: str, drafter: str, seeds=range(3)) -> list[t
     return pairs
 
 
-@pytest.mark.parametrize("drafter", ["tree64", "lookup", "draft-model", "eagle"])
+@pytest.mark.parametrize("drafter", ["tree64", "lookup", "draft-model", "eagle", "eagle3", "medusa", "early-exit"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_every_method_equals_plain_bit_for_bit_in_bf16(arch: str, drafter: str) -> None:
     for plain, spec in outputs(True, arch, drafter):
