@@ -134,11 +134,20 @@ def selfspec_parser() -> argparse.ArgumentParser:
 @functools.lru_cache(maxsize=None)
 def script_options(path: Path) -> tuple[frozenset[str] | None, str]:
     """(option strings of the script's parser, or None when it cannot be built cheaply; its source)."""
-    source = path.read_text(encoding="utf-8")
     spec = importlib.util.spec_from_file_location(f"_doc_check_{path.stem.replace('-', '_')}", path)
-    try:
+
+    def load():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        return module
+
+    return _parser_options(load, path.read_text(encoding="utf-8"))
+
+
+def _parser_options(load, source: str) -> tuple[frozenset[str] | None, str]:
+    """(option strings of the parser the loaded module's ``main`` builds, or None; ``source``)."""
+    try:
+        module = load()
     except Exception:
         return None, source
     main = getattr(module, "main", None)
@@ -150,14 +159,7 @@ def script_options(path: Path) -> tuple[frozenset[str] | None, str]:
 def module_options(name: str) -> tuple[frozenset[str] | None, str]:
     """The same for ``python -m NAME`` (an installed module: selfspec_eval.*)."""
     spec = importlib.util.find_spec(name)
-    source = Path(spec.origin).read_text(encoding="utf-8")
-    try:
-        module = importlib.import_module(name)
-    except Exception:
-        return None, source
-    main = getattr(module, "main", None)
-    parser = _capture(main) if callable(main) else None
-    return (frozenset(option_strings(parser)) if parser else None), source
+    return _parser_options(lambda: importlib.import_module(name), Path(spec.origin).read_text(encoding="utf-8"))
 
 
 @functools.lru_cache(maxsize=None)
