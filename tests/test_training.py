@@ -291,3 +291,17 @@ def test_generate_data_head_fix_keeps_batched_output() -> None:
     model.get_output_embeddings().register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous()))
     after = gen.generate_batch(model, tok, prompts, 12, 0.0)
     assert all(seen) and after == before and len(after) == 2
+
+
+def test_data_with_nothing_to_train_on_is_refused_before_any_model_loads(tmp_path) -> None:
+    """Prompts without replies (HumanEval's kind) are one line, before the model (here: none that exists) loads."""
+    from selfspec.errors import SelfspecError
+    from selfspec.train.loop import train
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"q {i}"}]})
+                              for i in range(8)) + "\n")
+    cfg = _cfg("medusa", data, tmp_path / "out", base_model=str(tmp_path / "no-such-model"))
+    with pytest.raises(SelfspecError, match="no conversation with an assistant reply"):
+        train(cfg)
+    assert not (tmp_path / "out").exists()

@@ -19,7 +19,11 @@ from selfspec.train.loop import train
 def main() -> int:
     """Parse flags, train, print the heads folder."""
     try:
-        print(train(parse_config()))
+        folder = train(parse_config())
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:  # one line, not one per rank
+            print(folder)
     except SelfspecError as exc:
         print(f"train_heads: error: {exc}", file=sys.stderr)
         return 2

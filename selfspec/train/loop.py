@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import load_heads, save_heads
 from ..data import load_chat_dataset
+from ..data.load import iter_examples
 from ..errors import SelfspecError
 from ..heads import init_heads
 from ..zoo import load_model
@@ -52,6 +54,19 @@ def load_examples(cfg: TrainConfig, tokenizer, split: str, limit: int) -> list[d
                 seen.add(ex_id)
                 conversations.append(messages)
     return tokenize_all(tokenizer, conversations, cfg.max_length)
+
+
+def check_data(cfg: TrainConfig, look: int = 200) -> None:
+    """Refuse, before any model loads, data that has nothing to train on: no source of ``cfg.data`` whose first
+    ``look`` training conversations hold an assistant reply (HumanEval's prompts, a prompts-only file)."""
+    sources = [s.strip() for s in cfg.data.split(",") if s.strip()]
+    for source in sources:
+        for ex in islice(iter_examples(source, "train", cfg.heldout_fraction), look):
+            if any(m.get("role") == "assistant" and m.get("content") for m in ex["messages"]):
+                return
+    raise SelfspecError(f"--data {cfg.data}: no conversation with an assistant reply to train on (prompts only); "
+                        "write replies first, e.g. python training/generate_data.py --data "
+                        f"{sources[0] if sources else 'SOURCE'} --out replies.jsonl, then --data replies.jsonl")
 
 
 def with_features(batch: dict[str, torch.Tensor], cfg: TrainConfig, target, heads) -> dict[str, torch.Tensor]:
@@ -270,6 +285,7 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     out = Path(cfg.output_dir)
+    check_data(cfg)  # before the model loads
     accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               mixed_precision=cfg.mixed_precision,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
@@ -277,6 +293,9 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     target, tokenizer = frozen_target(cfg, accelerator.device, target, tokenizer)
     heads = starting_heads(cfg, target, tokenizer)
     train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
+    if not train_ex:
+        raise SelfspecError(f"--data {cfg.data}: no training conversation left after tokenizing (max_length "
+                            f"{cfg.max_length}, {cfg.max_examples} examples at most)")
     eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
     if not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
         prepare_heads(cfg.family, heads, target, train_ex)
