@@ -137,15 +137,21 @@ def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Ten
     heads, d = rows.shape[1:]
     kv, m = key.shape[1], g.rows.numel()
     group = heads // kv
-    qs = rows.new_zeros(m, kv, query_rows(group, d), d)  # query heads folded per K/V head, padded
-    qs[:, :, :group] = rows.index_select(0, g.rows).view(m, kv, group, d)
-    if g.keys is None and m > 1:  # one K for every row: the rows' padded query blocks stacked in one entry
-        qr = qs.shape[2]
-        q1 = qs.transpose(0, 1).reshape(1, kv, m * qr, d)
-        mask = g.mask[:, 0, 0].repeat_interleave(qr, 0)[None, None]
-        o = scaled_dot_product_attention(q1, key[:, :, :g.width], value[:, :, :g.width], attn_mask=mask, scale=scale)
-        out.index_copy_(0, g.rows, o.view(kv, m, qr, d)[:, :, :group].transpose(0, 1).reshape(m, heads, d))
+    mine = rows.index_select(0, g.rows).view(m, kv, group, d)
+    if g.keys is None:  # one K for every row: the rows' query blocks stacked in one entry, padded once
+        n = query_rows(m * group, d)
+        q1 = mine.new_zeros(1, kv, n, d)
+        q1[0, :, :m * group] = mine.transpose(0, 1).reshape(kv, m * group, d)
+        mask = g.mask[:, 0, 0]
+        if m > 1 or n > group:
+            mask = mask.repeat_interleave(group, 0)
+            mask = torch.cat([mask, mask[-1:].expand(n - m * group, -1)])
+        o = scaled_dot_product_attention(q1, key[:, :, :g.width], value[:, :, :g.width], attn_mask=mask[None, None],
+                                         scale=scale)
+        out.index_copy_(0, g.rows, o[0, :, :m * group].view(kv, m, group, d).transpose(0, 1).reshape(m, heads, d))
         return
+    qs = rows.new_zeros(m, kv, query_rows(group, d), d)  # query heads folded per K/V head, padded
+    qs[:, :, :group] = mine
     if g.keys is None:
         k = key[:, :, :g.width].expand(m, -1, -1, -1)
         v = value[:, :, :g.width].expand(m, -1, -1, -1)
