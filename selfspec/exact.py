@@ -20,8 +20,9 @@ work row by row. So the exact pass fixes how each query row attends:
               number of query rows per K/V head and the width; where that offset is not 64-byte aligned, the
               same (row, head) computed by the second thread came out with other bits than by the first (one
               2-core CPU, real activations, widths = 0 or 3 mod 4), so a row's result depended on where in its
-              call it landed. Each K/V head's query block is padded with zero rows (``query_rows``: 8 for
-              SmolLM2's 3 and Qwen2.5's 6 query heads per K/V head), which aligns every thread's buffers
+              call it landed. Each call's query block per K/V head is padded with zero rows (``query_rows``:
+              a lone row of SmolLM2's 3 or Qwen2.5's 6 query heads per K/V head to 8; a chain's stacked rows
+              to the next count that aligns), which aligns every thread's buffers
     linears   the self-test finds, per weight shape, the pass sizes (buckets) whose rows get the bits a plain step
               gives them: on the CPUs checked one row takes another kernel than 2 to 64 rows, so a plain step runs
               on two rows (its root and a padding row, as the smallest bucket); a packed linear row-variant above
