@@ -143,22 +143,16 @@ def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Ten
         n = query_rows(m * group, d)
         q1 = mine.new_zeros(1, kv, n, d)
         q1[0, :, :m * group] = mine.transpose(0, 1).reshape(kv, m * group, d)
-        mask = g.mask[:, 0, 0]
-        if m > 1 or n > group:
-            mask = mask.repeat_interleave(group, 0)
-            mask = torch.cat([mask, mask[-1:].expand(n - m * group, -1)])
+        mask = g.mask[:, 0, 0].repeat_interleave(group, 0)  # each row's mask for each of its query heads
+        mask = torch.cat([mask, mask[-1:].expand(n - m * group, -1)])
         o = scaled_dot_product_attention(q1, key[:, :, :g.width], value[:, :, :g.width], attn_mask=mask[None, None],
                                          scale=scale)
         out.index_copy_(0, g.rows, o[0, :, :m * group].view(kv, m, group, d).transpose(0, 1).reshape(m, heads, d))
         return
-    qs = rows.new_zeros(m, kv, query_rows(group, d), d)  # query heads folded per K/V head, padded
-    qs[:, :, :group] = mine
-    if g.keys is None:
-        k = key[:, :, :g.width].expand(m, -1, -1, -1)
-        v = value[:, :, :g.width].expand(m, -1, -1, -1)
-    else:  # (kv, m * width, d) -> (m, kv, width, d)
-        k = key[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
-        v = value[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
+    qs = rows.new_zeros(m, kv, query_rows(group, d), d)  # each row its own entry: its keys gathered, (kv, m * width, d)
+    qs[:, :, :group] = mine  # -> (m, kv, width, d)
+    k = key[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
+    v = value[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
     o = scaled_dot_product_attention(qs, k, v, attn_mask=g.mask, scale=scale)  # (m, kv, query rows, d)
     out.index_copy_(0, g.rows, o[:, :, :group].reshape(m, heads, d))
 
