@@ -158,17 +158,21 @@ class AdaptiveDepth:
         """Nodes (root included) a depth-k draft is expected to hold."""
         return self.nodes_at.get(k, 1 + self.nodes_per_depth * k)
 
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a step drafting to depth k is expected to commit: 1 + sum over d <= k of P(depth d accepted)."""
+        gain, run = 1.0, 1.0
+        for a in self.alphas(k):
+            run *= a
+            gain += run
+        return gain
+
     def expected_rate(self, k: int) -> float:
         """Predicted tokens per second when drafting to depth k (k = 0: plain decoding)."""
         t1 = self.t1 or 1.0
         if k == 0:
             return 1.0 / t1
-        gain, run = 1.0, 1.0
-        for a in self.alphas(k):
-            run *= a
-            gain += run
         cost = t1 * self.cost.ratio(self.expected_nodes(k)) + (self.draft_per_depth or 0.0) * k
-        return gain / cost
+        return self.expected_tokens(k) / cost
 
     def choose(self) -> int:
         """Depth to draft next step; 0 means a plain step."""

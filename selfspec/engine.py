@@ -8,63 +8,19 @@ with no drafter: the honest baseline.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .acceptance import accept_greedy, accept_sampling
-from .adaptive import DepthPolicy, VerifyCost
-from .context import check_fits
 from .detokenize import IncrementalText
-from .drafters.base import DraftContext, DraftRequest, Drafter
+from .drafters.base import Drafter
 from .errors import SelfspecError
-from .dtypes import dtype_name
-from .memory import counted_bytes, model_dtype
-from .sampling import SamplingConfig, greedy_tokens, logits_to_probs
+from .request import (DecodeConfig, DecodeState, Request, accept, commit, draft, eos_ids, prefill,  # noqa: F401
+                      sync_device)
 from .stats import GenerationStats
-from .stopping import StopTokens, truncate_at_stop
-from .target_pass import EagerPass, make_target_pass
-from .tree import DraftTree, chain
-from .verify import Verification
-
-
-@dataclass
-class DecodeConfig:
-    """Settings of one request."""
-
-    max_new_tokens: int = 128
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    eos_token_ids: tuple[int, ...] | None = None  # None: the model's generation config
-    stop_strings: tuple[str, ...] = ()
-    max_depth: int = 16  # deepest draft (the adaptive controller picks up to this; chains are capped by max_nodes)
-    max_nodes: int = 16  # largest tree, root included
-    adaptive: bool = True  # False: always draft max_depth
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise SelfspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.max_depth < 0 or self.max_nodes < 1:
-            raise SelfspecError("max_depth must be >= 0 and max_nodes >= 1")
-        if any(not s for s in self.stop_strings):
-            raise SelfspecError("stop strings must be non-empty")
-
-
-@dataclass
-class DecodeState:
-    """Tokens so far (prompt + generated, on CPU) and the target cache holding all but the last."""
-
-    tokens: torch.Tensor
-    cache: object
-    prompt_len: int
-
-    @property
-    def cache_len(self) -> int:
-        """Positions in the target cache."""
-        return self.tokens.numel() - 1
+from .target_pass import make_target_pass
 
 
 @dataclass
@@ -74,70 +30,6 @@ class GenerationResult:
     tokens: list[int]
     text: str | None
     stats: GenerationStats
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for queued GPU work (a no-op on the CPU), so wall-clock timings are true."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states=False, target=None, max_len: int = 0
-            ) -> tuple[DecodeState, tuple | None]:
-    """Cache the prompt except its last token (the first root). Returns the state and, if asked, hidden states
-    (``hidden_states``: True for the final layer, or indices into transformers' ``hidden_states``).
-
-    ``target``: the target pass (default: eager); ``max_len``: the most positions the request will cache.
-    """
-    target = target or EagerPass(model)
-    cache = target.new_cache(max(max_len, prompt.numel()))
-    hs = None
-    if prompt.numel() > 1:
-        hs = target.prefill(cache, prompt[:-1], hidden_states)
-    return DecodeState(prompt.clone(), cache, prompt.numel()), hs
-
-
-def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, policy: DepthPolicy, cfg: DecodeConfig,
-          gen: torch.Generator) -> tuple[DraftTree, object]:
-    """Ask the drafter for a tree of at most ``depth`` levels, each of its sources as deep as ``policy``
-    says pays; depth 0 (or no drafter) gives the bare root."""
-    root = int(ctx.tokens[-1])
-    if drafter is None or depth == 0:
-        return chain(root, []), dstate
-    req = DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen, depth_for=policy.choose, rate_for=policy.rate,
-                       node_cost=policy.cost.ratio if policy.enabled else None)
-    tree, dstate = drafter.draft(dstate, ctx, req)
-    if tree.max_depth > depth or tree.size > cfg.max_nodes or int(tree.tokens[0]) != root:
-        raise SelfspecError(f"drafter '{drafter.name}' broke its limits (depth {tree.max_depth} > {depth}, "
-                            f"or {tree.size} nodes > {cfg.max_nodes}, or a wrong root)")
-    return tree, dstate
-
-
-def accept(tree: DraftTree, ver: Verification, sampling: SamplingConfig, gen: torch.Generator) -> tuple[list[int], int]:
-    """Accepted path (tree indices, root excluded) and the target's next token."""
-    if sampling.greedy:
-        return accept_greedy(tree, greedy_tokens(ver.logits).tolist())
-    return accept_sampling(tree, logits_to_probs(ver.logits, sampling), gen)
-
-
-def commit(target, state: DecodeState, tree: DraftTree, path: list[int], bonus: int
-           ) -> tuple[DecodeState, list[int]]:
-    """Keep root + accepted path in the cache (compacted), append accepted tokens + bonus to the sequence."""
-    target.keep(state.cache, state.cache_len, [0, *path])
-    new = [int(tree.tokens[i]) for i in path] + [bonus]
-    tokens = torch.cat([state.tokens, torch.tensor(new, dtype=torch.long)])
-    return DecodeState(tokens, state.cache, state.prompt_len), new
-
-
-def eos_ids(model: torch.nn.Module, cfg: DecodeConfig) -> set[int]:
-    """EOS ids from the request, else the model's generation config, else its config."""
-    if cfg.eos_token_ids is not None:
-        return set(cfg.eos_token_ids)
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            return set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    return set()
 
 
 class SpeculativeEngine:
@@ -167,7 +59,7 @@ class SpeculativeEngine:
             raise SelfspecError(f"a draft tree of {cfg.max_nodes} nodes (--max-nodes) exceeds the largest the "
                                 f"{self.target.name} target pass runs ({buckets[-1]}): lower --max-nodes")
 
-    def _prompt_tensor(self, prompt: torch.Tensor | list[int]) -> torch.Tensor:
+    def prompt_tensor(self, prompt: torch.Tensor | list[int]) -> torch.Tensor:
         ids = torch.as_tensor(prompt, dtype=torch.long).cpu()
         if ids.dim() == 2:
             if ids.shape[0] != 1:
@@ -182,66 +74,23 @@ class SpeculativeEngine:
 
     def steps(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig, stats: GenerationStats) -> Iterator[list[int]]:
         """Run the loop, yielding the tokens each step commits; fills ``stats`` as it goes."""
-        start = time.perf_counter()
-        stats.dtype, stats.target_pass = dtype_name(model_dtype(self.model)), self.target.name
-        stats.exact = bool(getattr(self.target, "exact", False))
-        ids = self._prompt_tensor(prompt)
-        check_fits(self.model.config, ids.numel(), cfg.max_new_tokens)  # before anything runs
-        self.check_config(cfg)
-        gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
-        need_hidden = self.drafter.state_layers if self.drafter is not None and self.drafter.needs_hidden_states else ()
-        state, hs = prefill(self.model, ids, need_hidden, self.target, ids.numel() + cfg.max_new_tokens)
-        ctx = DraftContext(state.tokens, state.cache_len, hs, self.target.draft_view(state.cache))
-        dstate = self.drafter.start(ctx) if self.drafter is not None else None  # the drafter's own prefill
-        sync_device(self.device)
-        stats.prefill_s = time.perf_counter() - start
-        policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive,
-                             cost=VerifyCost(buckets=getattr(self.target, "buckets", None)))
-        eos = eos_ids(self.model, cfg)
-        stops = StopTokens(self.tokenizer, cfg.stop_strings)
-        generated: list[int] = []
+        req = Request(self, prompt, cfg, stats)
         try:
+            req.prefilled(*prefill(self.model, req.ids, req.need_hidden, self.target, req.max_len), self.target)
             while True:
-                room = cfg.max_new_tokens - len(generated)
-                depth = min(cfg.max_depth, room - 1, cfg.max_nodes - 1)
+                tree = req.draft()
                 t0 = time.perf_counter()
-                tree, dstate = draft(self.drafter, dstate, ctx, depth, policy, cfg, gen)
+                ver = self.target.verify(req.state.cache, tree, req.state.cache_len, req.need_hidden)
                 sync_device(self.device)
-                t1 = time.perf_counter()
-                ver = self.target.verify(state.cache, tree, state.cache_len, need_hidden)
-                sync_device(self.device)
-                t2 = time.perf_counter()
-                path, bonus = accept(tree, ver, cfg.sampling, gen)
-                state, new = commit(self.target, state, tree, path, bonus)
-                new, finished = truncate_at_stop(new, room, eos)
-                cut = stops.add(new)  # tokens of the whole answer it takes for a stop string to appear
-                if cut is not None:
-                    new, finished = new[:cut - len(generated)], True
-                stats.draft_s += t1 - t0
-                stats.verify_s += t2 - t1
-                stats.max_tree_nodes = max(stats.max_tree_nodes, tree.size)
-                stats.draft_state_bytes = max(stats.draft_state_bytes, counted_bytes(dstate))
-                stats.record_step(tree.max_depth, len(path), len(new), tree.source)
-                if tree.max_depth == 0:
-                    policy.record_plain(t2 - t1)
-                else:
-                    policy.record_speculative(tree.source, tree.max_depth, tree.size, len(path), t1 - t0, t2 - t1)
-                generated += new
+                new = req.advance(self.target, tree, ver, time.perf_counter() - t0)
                 yield new
-                if finished:
+                if req.finished:
                     return
-                hidden = None
-                if need_hidden:  # the drafter's layers' states at the positions just cached: root + path
-                    rows = torch.tensor([0, *path], device=ver.logits.device)
-                    hidden = tuple(h.index_select(0, rows) for h in ver.hidden_states)
-                ctx = DraftContext(state.tokens, state.cache_len, hidden, self.target.draft_view(state.cache))
-                if self.target.length(state.cache) != state.cache_len:  # compaction bug guard: cheap, never expected
-                    raise RuntimeError(f"target cache holds {self.target.length(state.cache)} positions, "
-                                       f"expected {state.cache_len}")
-                dstate = self.drafter.observe(dstate, ctx) if self.drafter is not None else None
+                req.observe(self.target)
         finally:
-            sync_device(self.device)
-            stats.total_s = time.perf_counter() - start
+            if req.state is not None:
+                self.target.release(req.state.cache)
+            req.close()
 
     def generate(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig | None = None, streamer=None
                  ) -> GenerationResult:

@@ -79,6 +79,14 @@ class ExactPlan:
     groups: list[RowGroup]
 
 
+@dataclass
+class BatchPlan:
+    """A batched pass's plans: ``plans[i]`` for batch entry i (a request's row of the cache), None for a padding
+    entry. Each entry attends over its own cache row exactly as that request's pass alone would."""
+
+    plans: list[ExactPlan | None]
+
+
 def ancestor_path(parents: list[int], node: int) -> list[int]:
     """``node``'s ancestors from the root down, then ``node`` itself."""
     path = [node]
@@ -130,6 +138,18 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for g in plan.groups:
         _attend(g, rows, key, value, out, scale)
     return out[None]
+
+
+def exact_batch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: BatchPlan,
+                          scale: float | None) -> torch.Tensor:
+    """``exact_attention`` for each batch entry of ``query`` (B, heads, q, d) over its own row of ``key``/``value``
+    (B, kv_heads, slots, d); returns (B, q, heads, d), zeros for padding entries."""
+    b, heads, q, d = query.shape
+    out = query.new_zeros(b, q, heads, d)
+    for i, entry in enumerate(plan.plans):
+        if entry is not None:
+            out[i] = exact_attention(query[i:i + 1], key[i:i + 1], value[i:i + 1], entry, scale)[0]
+    return out
 
 
 def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,

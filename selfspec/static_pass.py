@@ -45,6 +45,7 @@ from .verify import Verification, cache_kwarg, state_layers
 
 BUCKETS = (1, 4, 8, 16, 32, 64)  # tree sizes (root included) a pass is padded to; one compiled graph each
 CACHE_STEP = 512  # the static cache grows in multiples of this (each size is another set of graphs)
+PREFILL_CHUNK = 256  # prompts are cached this many tokens per forward (a batch's other rows wait one chunk at most)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -74,11 +75,6 @@ def static_mask(block: torch.Tensor, cache_len: int, width: int, dtype: torch.dt
     mask[:, :cache_len] = 0
     mask[:, cache_len:cache_len + b].masked_fill_(block.to(device), 0)
     return mask[None, None]
-
-
-def prefill_mask(n: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Causal additive mask (1, 1, n, width) for ``n`` tokens written from slot 0."""
-    return static_mask(torch.ones(n, n, dtype=torch.bool).tril(), 0, width, dtype, device)
 
 
 @dataclass
@@ -163,6 +159,9 @@ class StaticPass:
         self.epoch += 1
         return StaticHandle(self.cache, self.epoch)
 
+    def release(self, handle: StaticHandle) -> None:
+        """The request is done with the cache (the next request claims it anyway)."""
+
     def _own(self, handle: StaticHandle) -> StaticCache:
         if handle.epoch != self.epoch or handle.cache is not self.cache:
             raise SelfspecError("this request's KV cache was taken by a newer request on the same engine: "
@@ -176,20 +175,29 @@ class StaticPass:
 
     @torch.no_grad()
     def prefill(self, handle: StaticHandle, ids: torch.Tensor, hidden_states) -> tuple[torch.Tensor, ...] | None:
-        """Cache ``ids`` (1-D) from slot 0, eagerly (prompt lengths vary); the asked layers' states, (n, H) each."""
+        """Cache ``ids`` (1-D) from slot 0, eagerly (prompt lengths vary), in chunks of ``PREFILL_CHUNK`` tokens;
+        the asked layers' states, (n, H) each."""
         self._own(handle)
         n = ids.numel()
         if n + self.buckets[-1] > self.max_len:
             raise SelfspecError(f"the prompt ({n} tokens) does not fit the static cache ({self.max_len})")
-        positions = torch.arange(n, device=self.device)[None]
         layers = state_layers(hidden_states)
-        with static_attention(self.model) as cut:  # eager: attend over the n slots written
-            mask = prefill_mask(n, n if cut else self.max_len, self.dtype, self.device)
+        parts = [self.prefill_chunk(handle, ids[start:start + PREFILL_CHUNK], start, layers)
+                 for start in range(0, n, PREFILL_CHUNK)]
+        return tuple(torch.cat(states) for states in zip(*parts)) if layers else None
+
+    def prefill_chunk(self, handle: StaticHandle, ids: torch.Tensor, start: int, layers: tuple[int, ...]
+                      ) -> tuple[torch.Tensor, ...]:
+        """Cache ``ids`` (1-D) at slots ``start..`` behind the ``start`` already cached; the ``layers``' states."""
+        c = ids.numel()
+        positions = torch.arange(start, start + c, device=self.device)[None]
+        with static_attention(self.model) as cut:  # eager: attend over the slots written so far
+            mask = static_mask(torch.ones(c, c, dtype=torch.bool).tril(), start, start + c if cut else self.max_len,
+                               self.dtype, self.device)
             out = self.decoder(input_ids=ids.to(self.device)[None], position_ids=positions, attention_mask=mask,
                                use_cache=True, output_hidden_states=any(i != -1 for i in layers),
                                **{self.kwarg: self.cache})
-        states = tuple(out.last_hidden_state if i == -1 else out.hidden_states[i] for i in layers)
-        return tuple(h[0] for h in states) if layers else None
+        return tuple((out.last_hidden_state if i == -1 else out.hidden_states[i])[0] for i in layers)
 
     @torch.no_grad()
     def verify(self, handle: StaticHandle, tree: DraftTree, cache_len: int, hidden_states) -> Verification:

@@ -58,6 +58,9 @@ class EagerPass:
         """One pass over root + tree, appending every node to ``cache``."""
         return verify_tree(self.model, cache, tree, cache_len, hidden_states=hidden_states)
 
+    def release(self, cache) -> None:
+        """The request is done with ``cache`` (a dynamic cache is simply dropped)."""
+
     def keep(self, cache, start: int, keep: list[int]) -> None:
         """Keep the pass's entries ``keep`` (tree indices, ascending) at ``start..`` and drop the rest."""
         keep_entries(cache, start, keep)

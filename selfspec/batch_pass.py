@@ -1,0 +1,233 @@
+"""The target pass for many requests at once: one preallocated KV cache with a row per request.
+
+    cache     (rows, kv_heads, slots, head_dim) per layer, allocated once: ``slots`` = the context a request may
+              use + the largest tree bucket. Every request claims a row (``Slot``) and keeps its own length;
+              the rows claimed are always 0..n-1 (a request that leaves hands its row to the last one, whose
+              committed entries are copied over), so a pass reads a prefix of the rows without copying K/V
+    a pass    every row's root + tree padded to one node bucket b; row r's node i is written at slot len_r + i
+              (per-row positions, per-row 4-D masks: row r sees its slots < len_r and its own tree's ancestors);
+              claimed rows with nothing to verify this step (a request still being prefilled) and padding rows
+              take part as dummies that write into the last b slots, which no request's tokens reach
+    keep      per row: the accepted path gathered behind the row's root, the row's length moved; nothing else
+              is copied, rejected entries stay as stale slots the masks hide until overwritten
+    prefill   one request's row at a time, in chunks (``PREFILL_CHUNK``), between the batch's passes
+
+Exact (the default, as for the single-request static pass): each row attends over its own cache row exactly as
+that request's pass alone would (``exact.BatchPlan``), and the rows of a pass are padded to a power-of-two
+count whose total (rows x bucket) the start-up self-test checked, passes larger than that run in parts: a
+request's tokens are then bit-identical whoever shares its batch. Uncompiled: batch shapes vary every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import StaticLayer
+
+from .attention import static_attention
+from .errors import SelfspecError
+from .exact import BatchPlan, plan_pass, row_chunks
+from .static_pass import StaticPass, ancestor_block, bucket_for, static_mask
+from .tree import DraftTree
+from .verify import Verification, state_layers
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n``."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class Slot:
+    """A request's row of the batch cache and how many positions it holds (``row`` -1 once released)."""
+
+    row: int
+    length: int = 0
+
+
+class RowCache(Cache):
+    """A static cache whose rows are written at per-row slots: before each forward the pass sets ``rows`` (the
+    batch entries of the forward, a slice of the cache's rows) and ``write`` ((entries, tokens) slot per token)."""
+
+    def __init__(self, config, rows: int, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        text = config.get_text_config(decoder=True)
+        heads = text.num_attention_heads
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        layers = [StaticLayer(slots) for _ in range(text.num_hidden_layers)]
+        probe = torch.zeros(rows, kv, 1, dim, dtype=dtype, device=device)
+        for layer in layers:
+            layer.lazy_initialization(probe, probe)  # (rows, kv, slots, dim) each, zeros
+        super().__init__(layers=layers)
+        self.rows, self.write = slice(0, rows), None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        keys, values = layer.keys[self.rows], layer.values[self.rows]  # views: written in place
+        idx = self.write[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+        keys.scatter_(2, idx, key_states)
+        values.scatter_(2, idx, value_states)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given; lengths are per row (``Slot.length``)
+
+
+class BatchPass(StaticPass):
+    """The static pass over a cache of ``max_batch`` rows of ``context`` positions each (refused, with one line,
+    when it does not fit ``memory_bytes``, if given). Also a single-request target pass (``verify`` on one slot)."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int, context: int, exact: bool = True, pack: bool = True,
+                 memory_bytes: int | None = None) -> None:
+        if max_batch < 1:
+            raise SelfspecError(f"a batch holds at least one request, got {max_batch}")
+        super().__init__(model, compile=False, exact=exact, pack=pack)
+        self.name = "batched"
+        self.max_batch, self.context = max_batch, context
+        self.max_len = context + self.buckets[-1]  # slots per row: a pass pads past a request's last position
+        rows = next_pow2(max_batch) if self.exact else max_batch  # exact passes pad their rows to a power of two
+        need = kv_bytes(model, rows, self.max_len, self.dtype)
+        if memory_bytes is not None and need > memory_bytes:
+            raise SelfspecError(f"the KV cache for {max_batch} requests of {context:,} positions needs "
+                                f"{need / 2**30:.1f} GiB, more than the {memory_bytes / 2**30:.1f} GiB available: "
+                                "lower --max-batch or --max-context")
+        self.cache = RowCache(model.config, rows, self.max_len, self.dtype, self.device)
+        self.claimed: list[Slot] = []  # claimed[r] holds row r
+
+    # --- rows ------------------------------------------------------------------------------------------------
+
+    def new_cache(self, max_len: int) -> Slot:
+        """Claim a row for a request of at most ``max_len`` positions."""
+        if max_len > self.context:
+            raise SelfspecError(f"a request of {max_len:,} positions (prompt + max new tokens) exceeds the batch "
+                                f"cache's {self.context:,} per request: raise --max-context or shorten it")
+        if len(self.claimed) >= self.max_batch:
+            raise SelfspecError(f"all {self.max_batch} rows of the batch cache are taken")
+        slot = Slot(len(self.claimed))
+        self.claimed.append(slot)
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Free ``slot``'s row: the last claimed row moves into it (its committed entries copied), keeping 0..n-1."""
+        self._own(slot)
+        last = self.claimed.pop()
+        if last is not slot:
+            n = last.length
+            for layer in self.cache.layers:
+                layer.keys[slot.row, :, :n] = layer.keys[last.row, :, :n]
+                layer.values[slot.row, :, :n] = layer.values[last.row, :, :n]
+            last.row = slot.row
+            self.claimed[slot.row] = last
+        slot.row = -1
+
+    @property
+    def free(self) -> int:
+        """Rows not claimed."""
+        return self.max_batch - len(self.claimed)
+
+    def _own(self, slot: Slot) -> Slot:
+        if not (0 <= slot.row < len(self.claimed)) or self.claimed[slot.row] is not slot:
+            raise SelfspecError("this request's row of the batch cache was released")
+        return slot
+
+    # --- passes ----------------------------------------------------------------------------------------------
+
+    def prefill_chunk(self, slot: Slot, ids: torch.Tensor, start: int, layers: tuple[int, ...]
+                      ) -> tuple[torch.Tensor, ...]:
+        """Cache ``ids`` in ``slot``'s row at slots ``start..``; its length becomes start + len(ids)."""
+        self._own(slot)
+        c = ids.numel()
+        self.cache.rows = slice(slot.row, slot.row + 1)
+        self.cache.write = torch.arange(start, start + c, device=self.device)[None]
+        states = super().prefill_chunk(slot, ids, start, layers)
+        slot.length = start + c
+        return states
+
+    def verify(self, slot: Slot, tree: DraftTree, cache_len: int, hidden_states) -> Verification:
+        """One request's pass (a batch of one)."""
+        if cache_len != self._own(slot).length:
+            raise SelfspecError(f"the request's row holds {slot.length} positions, not {cache_len}")
+        return self.verify_batch([(slot, tree)], hidden_states)[0]
+
+    @torch.no_grad()
+    def verify_batch(self, items: list[tuple[Slot, DraftTree]], hidden_states) -> list[Verification]:
+        """One pass over every request's root + tree (``items``, one per row, each row at most once): the
+        target's logits (and the asked layers' states) per request, in the order of ``items``."""
+        layers = state_layers(hidden_states)
+        by_row = {self._own(slot).row: (slot, tree) for slot, tree in items}
+        if len(by_row) != len(items):
+            raise SelfspecError("a batched pass verifies each request once")
+        for slot, tree in items:
+            if slot.length + tree.size > self.max_len:
+                raise SelfspecError(f"a request's row is full ({slot.length} of {self.max_len} slots)")
+        n_rows = max(by_row) + 1
+        b = bucket_for(max(tree.size for _, tree in items), (1, *self.buckets))
+        if self.exact:  # rows x bucket: a row count the self-test checked (a power of two, >= least, <= largest)
+            n_rows = next_pow2(n_rows)
+            b = max(b, -(-self.support.least // n_rows))
+        part = max(1, self.buckets[-1] // b) if self.exact else n_rows
+        out: dict[int, Verification] = {}
+        for lo in range(0, n_rows, part):
+            if any(lo <= r < lo + part for r in by_row):
+                out.update(self._pass(by_row, lo, min(lo + part, n_rows), b, layers))
+        return [out[slot.row] for slot, _ in items]
+
+    def _pass(self, by_row: dict[int, tuple[Slot, DraftTree]], lo: int, hi: int, b: int, layers: tuple[int, ...]
+              ) -> dict[int, Verification]:
+        """One forward over rows lo..hi-1, each padded to ``b`` nodes (rows without a tree are dummies)."""
+        m = hi - lo
+        ids = torch.zeros(m, b, dtype=torch.long)
+        positions = torch.zeros(m, b, dtype=torch.long)
+        write = torch.arange(self.max_len - b, self.max_len).repeat(m, 1)  # dummies: the last b slots
+        plans = [None] * m
+        mine = {r: item for r, item in by_row.items() if lo <= r < hi}
+        width = max(slot.length for slot, _ in mine.values()) + b
+        with static_attention(self.model) as cut:
+            width = width if cut else self.max_len
+            mask = torch.full((m, 1, b, width), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+            for r, (slot, tree) in mine.items():
+                i, n, start = r - lo, tree.size, slot.length
+                ids[i, :n] = tree.tokens
+                positions[i] = start
+                positions[i, :n] += torch.tensor(tree.depth)
+                write[i] = torch.arange(start, start + b)
+                mask[i] = static_mask(ancestor_block(tree.parents, b), start, width, self.dtype, self.device)[0]
+                if self.exact:
+                    plans[i] = plan_pass(tree.parents, tree.depth, start, self.max_len, self.dtype, self.device,
+                                         self.support.batched)
+            self.cache.rows, self.cache.write = slice(lo, hi), write.to(self.device)
+            with row_chunks(self.support):
+                logits, states = self._forward(ids.to(self.device), positions.to(self.device), mask, layers,
+                                               BatchPlan(plans) if self.exact else None)
+        return {r: Verification(logits[r - lo, :tree.size], tuple(h[r - lo, :tree.size] for h in states) if layers
+                                else None) for r, (_, tree) in mine.items()}
+
+    def keep(self, slot: Slot, start: int, keep: list[int]) -> None:
+        """Copy the pass's entries ``keep`` (ascending) of ``slot``'s row into slots ``start..``; its length moves."""
+        r, n = self._own(slot).row, len(keep)
+        if keep != list(range(n)):
+            idx = torch.tensor(keep, device=self.device) + start
+            for layer in self.cache.layers:  # gather first, then write in place
+                layer.keys[r, :, start:start + n] = layer.keys[r].index_select(1, idx)
+                layer.values[r, :, start:start + n] = layer.values[r].index_select(1, idx)
+        slot.length = start + n
+
+    def length(self, slot: Slot) -> int:
+        """Positions ``slot``'s row holds."""
+        return self._own(slot).length
+
+    def precompile(self, max_len: int, max_nodes: int, hidden_states=()) -> float:
+        """Nothing to build: the batched pass is not compiled."""
+        return 0.0
+
+
+def kv_bytes(model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype) -> int:
+    """Bytes of a K and V cache of ``rows`` x ``slots`` positions for ``model``."""
+    text = model.config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return 2 * text.num_hidden_layers * rows * slots * kv * dim * torch.finfo(dtype).bits // 8

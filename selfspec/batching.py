@@ -1,0 +1,174 @@
+"""Continuous batching: many requests decoded together, one target pass per step for all of them.
+
+    batch = BatchEngine(model, drafter, tokenizer, max_batch=8, context=2048)
+    a = batch.add(prompt_ids, DecodeConfig(max_new_tokens=64))
+    while batch.busy:
+        for req, new in batch.step():     # the tokens each request committed this step
+            ...
+    batch.generate_batch([ids1, ids2, ...], cfg)   # the same, to completion
+
+A step: requests waiting for a row take one (a request's prompt is cached one ``PREFILL_CHUNK`` per step, so a
+long prompt holds the others up by one chunk per step, not its whole prefill); every decoding request drafts
+(``Request.draft``, each with its drafter's own state), all trees are verified in **one** pass over the batch
+cache (``BatchPass.verify_batch``), then each request accepts, commits and checks its stop conditions on its own
+(``Request.advance``). Requests that finish or were cancelled give their row back before the next step.
+
+How deep requests draft: a batch of one drafts as ``SpeculativeEngine`` does (its own adaptive policy; a batch of
+one is exactly the single-request engine); from two requests on, the ``Budget`` picks one depth for the step
+from the measured cost of passes of this many rows (``selfspec/budget.py``), down to 0 (plain batched decoding)
+when drafting cannot pay. Outputs do not depend on the depth: each request's tokens are those it gets alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .batch_pass import BatchPass
+from .budget import Budget
+from .context import context_length
+from .engine import GenerationResult, SpeculativeEngine
+from .errors import SelfspecError
+from .request import DecodeConfig, DecodeState, Request, sync_device
+from .static_pass import PREFILL_CHUNK, bucket_for
+from .stats import GenerationStats
+
+DEFAULT_CONTEXT = 4096  # positions per request when the model allows as many (prompt + new tokens)
+
+
+@dataclass
+class Joining:
+    """A request with a row, its prompt cached chunk by chunk."""
+
+    req: Request
+    slot: object
+    done: int = 0  # prompt tokens cached so far
+    hidden: list | None = None  # the drafter's layers' states, chunk by chunk
+
+
+class BatchEngine:
+    """Lossless speculative decoding of many requests at once (any drafter, or none: plain batched decoding).
+
+    ``max_batch`` requests decode together, each of at most ``context`` positions (prompt + new tokens; default the
+    model's own, at most ``DEFAULT_CONTEXT``); more wait for a row. ``exact``: every request's tokens are
+    bit-identical to its plain decoding alone, whoever shares its batch, where this device's self-test allows.
+    """
+
+    def __init__(self, model: torch.nn.Module, drafter=None, tokenizer=None, max_batch: int = 8,
+                 context: int | None = None, exact: bool = True, memory_bytes: int | None = None) -> None:
+        context = context or min(context_length(model.config) or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        self.target = BatchPass(model, max_batch, context, exact=exact, memory_bytes=memory_bytes)
+        self.engine = SpeculativeEngine(model, drafter, tokenizer, backend=self.target)
+        self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
+        self.budget = Budget(self.target.buckets)
+        self.waiting: list[Request] = []
+        self.joining: list[Joining] = []
+        self.running: list[Request] = []
+        self.last_depth = 0  # the depth the budget gave the last step (for metrics)
+        self.last_rows = 0  # requests in the last pass
+
+    @property
+    def max_batch(self) -> int:
+        return self.target.max_batch
+
+    @property
+    def busy(self) -> bool:
+        """Requests waiting, joining or decoding."""
+        return bool(self.waiting or self.joining or self.running)
+
+    def check_config(self, cfg: DecodeConfig) -> None:
+        """Refuse, as one line, settings this engine cannot run."""
+        self.engine.check_config(cfg)
+
+    def add(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig | None = None,
+            stats: GenerationStats | None = None) -> Request:
+        """Queue a request (checked now: a bad prompt or settings raise ``SelfspecError`` here, not mid-batch)."""
+        req = Request(self.engine, prompt, cfg or DecodeConfig(), stats)
+        if req.max_len > self.target.context:
+            raise SelfspecError(f"the prompt ({req.ids.numel():,} tokens) and up to {req.cfg.max_new_tokens:,} new "
+                                f"tokens exceed the {self.target.context:,} positions per request of this batch "
+                                "engine (its context)")
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop ``req``: it gives its row back at the next step."""
+        req.cancelled = True
+
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """One step of the whole batch: (request, tokens it committed) for every request that decoded."""
+        self._leave()
+        self._join()
+        if not self.running:
+            return []
+        rows = self.running
+        depth = None if len(rows) == 1 else self.budget.depth(rows)  # None: the request's own policy
+        cost = self.budget.node_cost(len(rows))
+        trees = [row.draft(depth, cost) if depth is not None else row.draft() for row in rows]
+        t0 = time.perf_counter()
+        vers = self.target.verify_batch([(row.state.cache, tree) for row, tree in zip(rows, trees)],
+                                        rows[0].need_hidden)
+        sync_device(self.target.device)
+        seconds = time.perf_counter() - t0
+        nodes = max(tree.size for tree in trees)
+        self.budget.record(len(rows), bucket_for(nodes, (1, *self.target.buckets)), seconds)
+        self.last_depth, self.last_rows = max(tree.max_depth for tree in trees), len(rows)
+        out = []
+        for row, tree, ver in zip(rows, trees, vers):
+            out.append((row, row.advance(self.target, tree, ver, seconds)))
+            if not row.finished:
+                row.observe(self.target)
+        self._leave()
+        return out
+
+    def _leave(self) -> None:
+        """Requests that finished or were cancelled give their rows back (joining ones too)."""
+        for row in [r for r in self.running if r.finished or r.cancelled]:
+            self.running.remove(row)
+            self._release(row, row.state.cache)
+        for job in [j for j in self.joining if j.req.cancelled]:
+            self.joining.remove(job)
+            self._release(job.req, job.slot)
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            req.close()
+
+    def _release(self, req: Request, slot) -> None:
+        self.target.release(slot)
+        req.close()
+
+    def _join(self) -> None:
+        """Waiting requests take free rows; one prompt chunk is cached; a request whose prompt is all cached
+        starts decoding this step."""
+        while self.waiting and self.target.free:
+            req = self.waiting.pop(0)
+            self.joining.append(Joining(req, self.target.new_cache(req.max_len)))
+        if not self.joining:
+            return
+        job = self.joining[0]
+        prompt = job.req.ids[:-1]  # the last prompt token is the first root
+        layers = job.req.need_hidden
+        if job.done < prompt.numel():
+            chunk = prompt[job.done:job.done + PREFILL_CHUNK]
+            states = self.target.prefill_chunk(job.slot, chunk, job.done, layers)
+            job.done += chunk.numel()
+            if layers:
+                job.hidden = [*(job.hidden or []), states]
+        if job.done >= prompt.numel():
+            self.joining.pop(0)
+            hidden = tuple(torch.cat(parts) for parts in zip(*job.hidden)) if job.hidden else None
+            job.req.prefilled(DecodeState(job.req.ids.clone(), job.slot, job.req.ids.numel()), hidden, self.target)
+            self.running.append(job.req)
+
+    def generate_batch(self, prompts: list, cfg: DecodeConfig | None = None) -> list[GenerationResult]:
+        """Decode every prompt (token ids) to completion, ``max_batch`` at a time; results in the prompts' order."""
+        reqs = [self.add(p, cfg) for p in prompts]
+        tokens: dict[int, list[int]] = {id(r): [] for r in reqs}
+        while self.busy:
+            for req, new in self.step():
+                tokens[id(req)] += new
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return [GenerationResult(tokens[id(r)], decode(tokens[id(r)], skip_special_tokens=True) if decode else None,
+                                 r.stats) for r in reqs]

@@ -1,0 +1,208 @@
+"""Continuous batching: every request of a batch gets exactly the tokens it gets decoded alone.
+
+Requests of different lengths join and leave mid-way (more requests than rows), one stops at an EOS inside an
+accepted draft, others hit their token limit while the rest go on; rows are checked for alignment directly (a
+row's logits in a batched pass equal its logits in a pass of its own, also after another row's release moved it);
+sampling per row keeps the target's distribution; a cancelled request frees its row; the budget stops drafting
+where the measured cost says it cannot pay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import (ALPHA, SAMPLING, SAMPLING_PROMPT, SAMPLING_VOCAB, chi_square_pvalue, exact_joint, perturb,
+                      tiny_model)
+from selfspec.batch_pass import BatchPass
+from selfspec.batching import BatchEngine
+from selfspec.budget import Budget, PassCost
+from selfspec.drafters.draft_model import DraftModelDrafter
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+from selfspec.errors import SelfspecError
+from selfspec.heads import init_heads, make_drafter
+from selfspec.tree import DraftTree, chain
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 64
+LENGTHS = (3, 40, 1, 300, 12, 90, 7)  # prompt lengths: 300 is cached in two chunks
+NEW = (30, 10, 45, 20, 5, 25, 35)  # max new tokens: rows leave at different steps
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """``n`` random token ids."""
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make(drafter: str, model: torch.nn.Module, seed: int):
+    if drafter == "none":
+        return None
+    if drafter == "lookup":
+        return PromptLookupDrafter()
+    if drafter == "draft-model":  # chains
+        return DraftModelDrafter(tiny_model(seed + 50, vocab=VOCAB))
+    hyper = {"eagle": {"top_k": 4, "draft_vocab_size": VOCAB}, "medusa": {}}[drafter]  # trees, heads
+    return make_drafter(perturb(init_heads(drafter, model, **hyper), seed, 0.3), model)
+
+
+def requests(seed: int) -> list[tuple[list[int], DecodeConfig]]:
+    out = []
+    for i, (n, new) in enumerate(zip(LENGTHS, NEW)):
+        prompt = ids(seed * 10 + i, n)
+        if i % 2:  # repeated n-grams: prompt lookup finds drafts
+            prompt = (prompt[:6] * (n // 6 + 1))[:n]
+        out.append((prompt, DecodeConfig(max_new_tokens=new, max_depth=5, max_nodes=32, adaptive=i % 3 == 0)))
+    return out
+
+
+def solo(model, drafter, prompt, cfg, exact=True) -> list[int]:
+    return SpeculativeEngine(model, drafter, backend=BatchPass(model, 1, 512, exact=exact)).generate(prompt, cfg).tokens
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "draft-model", "eagle", "medusa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_row_equals_its_request_decoded_alone(arch: str, drafter: str) -> None:
+    model = tiny_model(3, vocab=VOCAB, arch=arch)
+    d = make(drafter, model, 3)
+    reqs = requests(3)
+    alone = [solo(model, d, p, c) for p, c in reqs]
+    static = [SpeculativeEngine(model, d, backend="static").generate(p, c).tokens for p, c in reqs]
+    assert alone == static  # the batch pass on one row is today's static pass
+    batch = BatchEngine(model, d, max_batch=3, context=512)
+    results = batch.generate_batch([p for p, _ in reqs], reqs[0][1])  # one config for all: below, each its own
+    assert [r.tokens for r in results] == [solo(model, d, p, reqs[0][1]) for p, _ in reqs]
+    batch = BatchEngine(model, d, max_batch=3, context=512)
+    handles = [batch.add(p, c) for p, c in reqs]
+    got = {id(h): [] for h in handles}
+    sizes = set()
+    while batch.busy:
+        for req, new in batch.step():
+            got[id(req)] += new
+        sizes.add(batch.last_rows)
+    assert [got[id(h)] for h in handles] == alone
+    assert sizes >= {1, 2, 3}  # rows joined and left mid-way
+    assert batch.target.free == 3 and not batch.target.claimed
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_rows_are_aligned_in_a_batched_pass(exact: bool) -> None:
+    """Each row's logits in one pass over rows of different lengths and trees equal its logits in a pass of its
+    own (bit for bit on the exact pass), also for a row moved to another row of the cache by a release."""
+    model = tiny_model(5, vocab=VOCAB)
+    target = BatchPass(model, 4, 256, exact=exact)
+    prompts = [ids(i, n) for i, n in enumerate((9, 31, 2, 17))]
+    slots = []
+    for p in prompts:
+        slot = target.new_cache(len(p) + 8)
+        target.prefill(slot, torch.tensor(p[:-1]), False)
+        slots.append(slot)
+    trees = [chain(prompts[0][-1], [1, 2, 3]), DraftTree(torch.tensor([prompts[1][-1], 4, 5, 6]), [-1, 0, 0, 1]),
+             chain(prompts[2][-1], []), chain(prompts[3][-1], [7])]
+
+    def alone(i):
+        own = BatchPass(model, 1, 256, exact=exact)
+        slot = own.new_cache(len(prompts[i]) + 8)
+        own.prefill(slot, torch.tensor(prompts[i][:-1]), False)
+        return own.verify(slot, trees[i], slot.length, False).logits
+
+    def same(a, b):
+        return torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+    refs = [alone(i) for i in range(4)]
+    vers = target.verify_batch(list(zip(slots, trees)), False)
+    assert all(same(v.logits, r) for v, r in zip(vers, refs))
+    assert not same(vers[0].logits[:1], refs[1][:1])  # the check can fail: rows differ
+    target.release(slots[0])  # the last row (prompt 3) moves into row 0, its entries copied
+    assert slots[3].row == 0 and slots[0].row == -1
+    vers = target.verify_batch([(slots[3], trees[3]), (slots[1], trees[1])], False)
+    assert same(vers[0].logits, refs[3]) and same(vers[1].logits, refs[1])
+    with pytest.raises(SelfspecError, match="released"):
+        target.verify(slots[0], trees[0], 8, False)
+
+
+def test_eos_inside_an_accepted_draft_ends_that_row_only() -> None:
+    model = tiny_model(7, vocab=VOCAB)
+    d = DraftModelDrafter(model)  # the target drafting for itself: every draft is accepted
+    prompts = [ids(i, 6 + i) for i in range(3)]
+    plain = [solo(model, None, p, DecodeConfig(max_new_tokens=30)) for p in prompts]
+    eos = plain[1][7]  # row 1 stops at its 8th token (or its first occurrence), inside a depth-6 chain
+    cfgs = [DecodeConfig(max_new_tokens=30, max_depth=6, adaptive=False, eos_token_ids=(eos,) if i == 1 else ())
+            for i in range(3)]
+    batch = BatchEngine(model, d, max_batch=3, context=128)
+    results = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
+    got = {id(r): [] for r in results}
+    while batch.busy:
+        for req, new in batch.step():
+            got[id(req)] += new
+    assert got[id(results[1])] == plain[1][:plain[1].index(eos) + 1]
+    assert got[id(results[0])] == plain[0] and got[id(results[2])] == plain[2]
+    assert max(results[1].stats.tokens_per_step) > 1  # it ended inside a multi-token step
+
+
+def test_a_cancelled_request_frees_its_row_at_the_next_step() -> None:
+    model = tiny_model(8, vocab=VOCAB)
+    batch = BatchEngine(model, PromptLookupDrafter(), max_batch=2, context=128)
+    a, b, c = (batch.add(ids(i, 5), DecodeConfig(max_new_tokens=40)) for i in range(3))
+    for _ in range(3):
+        batch.step()
+    assert batch.running == [a, b] and batch.waiting == [c]
+    batch.cancel(a)
+    stepped = batch.step()
+    assert a not in [r for r, _ in stepped] and batch.running == [b, c]
+    assert a.stats.total_s > 0 and len(a.generated) < 40
+    rest = {id(b): list(b.generated), id(c): list(c.generated)}
+    while batch.busy:
+        for req, new in batch.step():
+            rest[id(req)] += new
+    assert rest[id(c)] == solo(model, PromptLookupDrafter(), ids(2, 5), DecodeConfig(max_new_tokens=40))
+
+
+def test_rejection_sampling_per_row_keeps_the_distribution() -> None:
+    model = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
+    drafter = DraftModelDrafter(tiny_model(12, vocab=SAMPLING_VOCAB, hidden=16))
+    batch = BatchEngine(model, drafter, max_batch=8, context=64)
+    seeds = torch.randint(0, 2**62, (1200,), generator=torch.Generator().manual_seed(99)).tolist()
+    cfgs = [DecodeConfig(max_new_tokens=2, sampling=SAMPLING, max_depth=2, adaptive=False, seed=s) for s in seeds]
+    reqs = [batch.add(SAMPLING_PROMPT, c) for c in cfgs]
+    while batch.busy:
+        batch.step()
+    pairs = [tuple(r.generated[:2]) for r in reqs]
+    assert chi_square_pvalue(pairs, exact_joint(model)) > ALPHA
+
+
+class Row:
+    """A stand-in request for the budget: its drafter, depth limit and acceptance record."""
+
+    def __init__(self, alpha: float) -> None:
+        from selfspec.adaptive import DepthPolicy
+
+        self.drafter, self.max_depth = PromptLookupDrafter(), 8
+        self.policy = DepthPolicy(8)
+        ctrl = self.policy.controller("prompt-lookup")
+        for _ in range(40):  # accepted to depth 8 with probability alpha per depth
+            accepted = sum(1 for _ in range(8) if torch.rand(1).item() < alpha)
+            ctrl.record_speculative(8, 9, accepted, 0.0, 1.0)
+
+
+def test_the_budget_drafts_only_where_the_measured_cost_pays() -> None:
+    torch.manual_seed(0)
+    rows = [Row(0.7) for _ in range(8)]
+    flat = Budget((1, 2, 4, 8, 16), PassCost(times={(8, n): 1.0 + 0.01 * n for n in (1, 2, 4, 8, 16)}))
+    assert flat.depth(rows) >= 4  # extra nodes almost free: draft deep
+    linear = Budget((1, 2, 4, 8, 16), PassCost(times={(8, n): float(n) for n in (1, 2, 4, 8, 16)}))
+    assert linear.depth(rows) == 0  # every node costs a whole pass: plain batched decoding
+    unmeasured = Budget((1, 2, 4, 8, 16))
+    assert unmeasured.depth(rows) == 0  # a plain pass of this batch size first
+    unmeasured.record(8, 1, 1.0)
+    assert unmeasured.depth(rows) > 0  # then larger shapes are guessed cheap, tried, and measured
+
+
+def test_requests_that_cannot_fit_are_refused_in_one_line() -> None:
+    model = tiny_model(1, vocab=VOCAB)
+    batch = BatchEngine(model, None, max_batch=2, context=64)
+    with pytest.raises(SelfspecError, match="positions per request"):
+        batch.add(ids(0, 60), DecodeConfig(max_new_tokens=10))
+    with pytest.raises(SelfspecError, match="lower --max-batch"):
+        BatchPass(model, 64, 4096, memory_bytes=2**20)
