@@ -5,7 +5,8 @@
         -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
 /v1/chat/completions and /v1/completions (streamed or not), /v1/models, /health, /metrics (Prometheus).
-One engine decodes one request at a time; --queue-size requests may wait behind it, more get 429.
+Requests decode together, up to --max-batch at a time (continuous batching: one target pass per step for all of
+them, the draft depth sized to the load); --queue-size more may wait for a row, more get 429.
 Streams are paced (tokens committed in bursts sent at the measured rate) unless --no-smoothing or a
 request's "smooth": false. --max-new-tokens is the default for requests that set no max_tokens.
 """
@@ -19,6 +20,7 @@ from selfspec.options import (add_decoding_options, add_drafter_options, add_mod
 
 from .generate import build_drafter
 
+DEFAULT_MAX_BATCH = 16
 HELP = "serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming, metrics)"
 
 
@@ -28,8 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=positive_int, default=8000)
     g.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    g.add_argument("--max-batch", type=positive_int, default=None,
+                   help="requests decoded together (default: as many as fit half the free memory with --max-context "
+                        f"positions each, at most {DEFAULT_MAX_BATCH})")
+    g.add_argument("--max-context", type=positive_int, default=None,
+                   help="positions per request, prompt + answer (default: the model's, at most 4096)")
     g.add_argument("--queue-size", type=positive_int, default=16,
-                   help="requests that may wait behind the one decoding; more are refused with 429 (default: %(default)s)")
+                   help="requests that may wait for a row of the batch; more are refused with 429 (default: %(default)s)")
     g.add_argument("--no-smoothing", action="store_true", help="send tokens as steps commit them, in bursts")
     g.add_argument("--graceful-timeout", type=positive_int, default=30,
                    help="on shutdown, seconds to let requests in flight finish before cancelling them")
@@ -43,23 +50,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model and drafter, warm the engine up, serve until interrupted."""
-    from selfspec.engine import DecodeConfig, SpeculativeEngine
+    from selfspec.batching import BatchEngine
+    from selfspec.engine import DecodeConfig
     from selfspec.errors import SelfspecError
+    from selfspec.memory import free_memory
 
     try:
         from selfspec.serve import ServerConfig, run as serve
     except ImportError as exc:  # before the model loads
         raise SelfspecError(f"serving needs {exc.name}: pip install 'selfspec[serve]'") from None
+    if args.target_pass in ("eager", "compiled"):
+        raise SelfspecError(f"selfspec serve batches requests over the static pass; --target-pass {args.target_pass} "
+                            "is for single requests (selfspec generate, bench)")
     model, tokenizer = load_target(args)
     drafter = build_drafter(args, model, tokenizer)
-    engine = SpeculativeEngine(model, drafter, tokenizer, backend=args.target_pass, exact=args.exact)
+    engine = BatchEngine(model, drafter, tokenizer, max_batch=max_batch(args, model), context=args.max_context,
+                         exact=args.exact, memory_bytes=free_memory(model.device))
     engine.check_config(decode_config(args))  # settings that cannot work: refused now, not on every request
-    engine.generate(tokenizer.encode("Hello")[:4] or [0], DecodeConfig(max_new_tokens=4))  # first-pass costs now
+    engine.generate_batch([tokenizer.encode("Hello")[:4] or [0]], DecodeConfig(max_new_tokens=4))  # first passes now
     config = ServerConfig(model_name=args.served_model_name or args.model, max_waiting=args.queue_size,
                           smooth=not args.no_smoothing, default_max_tokens=args.max_new_tokens,
                           decode=decode_config(args))
-    print(f"selfspec serve: {config.model_name} ({engine.target.name} pass, drafter "
-          f"{getattr(drafter, 'name', 'none')}) on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"selfspec serve: {config.model_name} (batches of up to {engine.max_batch} x {engine.context:,} positions, "
+          f"drafter {getattr(drafter, 'name', 'none')}) on http://{args.host}:{args.port}/v1", flush=True)
     serve(engine, tokenizer, config, host=args.host, port=args.port, log_level=args.log_level,
           graceful_timeout=args.graceful_timeout)
     return 0
+
+
+def max_batch(args: argparse.Namespace, model) -> int:
+    """--max-batch, or as many requests as fit half the free memory (at least 1, at most ``DEFAULT_MAX_BATCH``)."""
+    from selfspec.batching import DEFAULT_CONTEXT
+    from selfspec.context import context_length
+    from selfspec.memory import free_memory, kv_bytes_per_token, model_dtype
+
+    if args.max_batch:
+        return args.max_batch
+    free = free_memory(model.device)
+    if free is None:
+        return DEFAULT_MAX_BATCH
+    context = args.max_context or min(context_length(model.config) or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+    row = kv_bytes_per_token(model.config, model_dtype(model)) * (context + 64)
+    return max(1, min(DEFAULT_MAX_BATCH, free // 2 // row))

@@ -29,6 +29,7 @@ from transformers.cache_utils import StaticLayer
 from .attention import static_attention
 from .errors import SelfspecError
 from .exact import BatchPlan, plan_pass, row_chunks
+from .memory import kv_bytes_per_token
 from .static_pass import StaticPass, ancestor_block, bucket_for, static_mask
 from .tree import DraftTree
 from .verify import Verification, state_layers
@@ -89,7 +90,7 @@ class BatchPass(StaticPass):
         self.max_batch, self.context = max_batch, context
         self.max_len = context + self.buckets[-1]  # slots per row: a pass pads past a request's last position
         rows = next_pow2(max_batch) if self.exact else max_batch  # exact passes pad their rows to a power of two
-        need = kv_bytes(model, rows, self.max_len, self.dtype)
+        need = kv_bytes_per_token(model.config, self.dtype) * rows * self.max_len
         if memory_bytes is not None and need > memory_bytes:
             raise SelfspecError(f"the KV cache for {max_batch} requests of {context:,} positions needs "
                                 f"{need / 2**30:.1f} GiB, more than the {memory_bytes / 2**30:.1f} GiB available: "
@@ -223,11 +224,3 @@ class BatchPass(StaticPass):
         """Nothing to build: the batched pass is not compiled."""
         return 0.0
 
-
-def kv_bytes(model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype) -> int:
-    """Bytes of a K and V cache of ``rows`` x ``slots`` positions for ``model``."""
-    text = model.config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * rows * slots * kv * dim * torch.finfo(dtype).bits // 8

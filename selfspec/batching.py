@@ -66,12 +66,17 @@ class BatchEngine:
         self.waiting: list[Request] = []
         self.joining: list[Joining] = []
         self.running: list[Request] = []
-        self.last_depth = 0  # the depth the budget gave the last step (for metrics)
         self.last_rows = 0  # requests in the last pass
+        self.last_drafted = 0  # draft tokens it verified (all rows)
 
     @property
     def max_batch(self) -> int:
         return self.target.max_batch
+
+    @property
+    def context(self) -> int:
+        """Positions per request (prompt + new tokens)."""
+        return self.target.context
 
     @property
     def busy(self) -> bool:
@@ -114,7 +119,7 @@ class BatchEngine:
         seconds = time.perf_counter() - t0
         nodes = max(tree.size for tree in trees)
         self.budget.record(len(rows), bucket_for(nodes, (1, *self.target.buckets)), seconds)
-        self.last_depth, self.last_rows = max(tree.max_depth for tree in trees), len(rows)
+        self.last_rows, self.last_drafted = len(rows), sum(tree.size - 1 for tree in trees)
         out = []
         for row, tree, ver in zip(rows, trees, vers):
             out.append((row, row.advance(self.target, tree, ver, seconds)))
@@ -122,6 +127,16 @@ class BatchEngine:
                 row.observe(self.target)
         self._leave()
         return out
+
+    def reset(self) -> None:
+        """Drop every request (after a failed step: their state is not to be trusted) and free every row."""
+        for req in [*self.waiting, *(j.req for j in self.joining), *self.running]:
+            req.cancelled = True
+        for slot in list(self.target.claimed):
+            self.target.release(slot)
+        for req in [*self.waiting, *(j.req for j in self.joining), *self.running]:
+            req.close()
+        self.waiting, self.joining, self.running = [], [], []
 
     def _leave(self) -> None:
         """Requests that finished or were cancelled give their rows back (joining ones too)."""

@@ -170,3 +170,17 @@ def max_context(budget: int, total: MemoryEstimate, limit: int | None = None) ->
         return 0
     n = room // total.kv_per_token if total.kv_per_token else (limit or 2**31)
     return int(min(n, limit) if limit else n)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now (a GPU's free memory, or the CPU's available RAM; None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

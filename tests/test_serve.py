@@ -156,7 +156,7 @@ def start(extra: list[str]) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start(["--heads", str(HEADS), "--queue-size", "4", "--max-new-tokens", "48"])
+    proc, url = start(["--heads", str(HEADS), "--max-batch", "8", "--queue-size", "4", "--max-new-tokens", "48"])
     yield url
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -202,6 +202,20 @@ def test_greedy_text_equals_selfspec_generate(server):
 
 
 @pytest.mark.integration
+def test_eight_concurrent_clients_each_get_their_answer_alone(server):
+    prompts = PROMPTS + ["Name a fruit.", "Spell 'cat' backwards.", "What is 3 * 7?"]
+    alone = {p: chat(server, p, 20).choices[0].message.content for p in prompts}  # one at a time
+    wait_idle(server)
+    before = metrics(server)
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: chat(server, p, 20).choices[0].message.content, prompts, timeout=600))
+    assert together == [alone[p] for p in prompts]
+    batches = metrics(server)["selfspec_batch_size_sum"][()] - before["selfspec_batch_size_sum"][()]
+    passes = metrics(server)["selfspec_batch_size_count"][()] - before["selfspec_batch_size_count"][()]
+    assert batches / passes > 1.5  # they were decoded together, not one after another
+
+
+@pytest.mark.integration
 def test_twenty_concurrent_clients_under_a_bounded_queue(server):
     expected = {p: chat(server, p, 12).choices[0].message.content for p in PROMPTS}
 
@@ -217,7 +231,7 @@ def test_twenty_concurrent_clients_under_a_bounded_queue(server):
         results = list(pool.map(one, range(20), timeout=600))
     done = [(p, r) for p, r in results if isinstance(r, str)]
     refused = [r for _, r in results if not isinstance(r, str)]
-    assert len(done) + len(refused) == 20 and done and refused  # queue bound 4: some wait, some are refused
+    assert len(done) + len(refused) == 20 and done and refused  # 8 rows + a queue of 4: some are refused
     assert all(text == expected[p] for p, text in done)  # nobody got another client's answer
     wait_idle(server)
 

@@ -14,6 +14,8 @@ import urllib.request
 import pytest
 
 from conftest import free_port, make_tokenizer, tiny_model
+from selfspec.batching import BatchEngine
+from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.stopping import StopText, StopTokens
@@ -51,12 +53,12 @@ def test_stop_tokens_count_the_tokens_that_complete_a_stop_string() -> None:
 class Live:
     """An app over a tiny model, served by uvicorn in a thread on a free port."""
 
-    def __init__(self, **config) -> None:
+    def __init__(self, batch: int = 4, **config) -> None:
         from selfspec.serve import ServerConfig, create_app
 
         self.tokenizer = make_tokenizer()
         model = tiny_model(3, vocab=len(self.tokenizer), hidden=32)
-        self.engine = SpeculativeEngine(model, None, self.tokenizer, backend="static")
+        self.engine = BatchEngine(model, PromptLookupDrafter(), self.tokenizer, max_batch=batch, context=256)
         self.app = create_app(self.engine, self.tokenizer, ServerConfig(model_name=MODEL, **config))
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -118,16 +120,16 @@ def test_a_stop_string_never_appears_in_the_answer(live, stream: bool) -> None:
 
 
 def test_a_fault_while_decoding_is_a_500_and_the_server_serves_on(live, monkeypatch) -> None:
-    real = live.engine.steps
+    real = live.engine.step
     calls = []
 
-    def failing(*args, **kwargs):  # a generator, as the engine's steps: the fault comes at its first step
+    def failing():  # the fault comes at the request's first step
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("a fault of the server's")
-        yield from real(*args, **kwargs)
+        return real()
 
-    monkeypatch.setattr(live.engine, "steps", failing)
+    monkeypatch.setattr(live.engine, "step", failing)
     status, body, _ = live.complete("Hello")
     assert status == 500 and json.loads(body)["error"]["type"] == "server_error"
     assert live.complete("Hello")[0] == 200
@@ -139,10 +141,10 @@ class Dying(BaseException):
 
 
 def test_a_dead_engine_thread_turns_health_to_503(live, monkeypatch) -> None:
-    def dying(*args, **kwargs):
+    def dying():
         raise Dying("the engine thread is gone")
 
-    monkeypatch.setattr(live.engine, "steps", dying)
+    monkeypatch.setattr(live.engine, "step", dying)
     status, body, _ = live.complete("Hello")
     assert status == 503 and "the engine failed" in json.loads(body)["error"]["message"]
     status, body = live.call("/health")

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ..context import check_fits, context_length
 from ..data import apply_chat_template
 from ..detokenize import IncrementalText
-from ..engine import DecodeConfig, SpeculativeEngine, eos_ids
+from ..batching import BatchEngine
+from ..engine import DecodeConfig, eos_ids
 from ..errors import SelfspecError
 from ..stopping import StopText
 from .pacing import Pacer
@@ -37,7 +38,7 @@ class ServerConfig:
     """What the server serves and how."""
 
     model_name: str
-    max_waiting: int = 16  # requests queued behind the one decoding; more get 429
+    max_waiting: int = 16  # requests queued beyond the batch; more get 429
     smooth: bool = True  # pace streams (per request: "smooth": false)
     default_max_tokens: int = 512  # when a request sets no max_tokens (capped by the context left)
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # drafting settings for every request
@@ -46,10 +47,11 @@ class ServerConfig:
 class Server:
     """The engine, its worker thread, the metrics, and the request handling the routes call."""
 
-    def __init__(self, engine: SpeculativeEngine, tokenizer, config: ServerConfig) -> None:
+    def __init__(self, engine: BatchEngine, tokenizer, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.telemetry = Telemetry()
-        self.worker = EngineWorker(engine, config.max_waiting, on_finish=self.telemetry.on_finish)
+        self.worker = EngineWorker(engine, config.max_waiting, on_finish=self.telemetry.on_finish,
+                                   on_step=self.telemetry.on_step)
         self.vocab = engine.model.get_output_embeddings().out_features
         self.created = int(time.time())
 
@@ -74,12 +76,15 @@ class Server:
         ids = self.prompt_ids(req)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        limit = context_length(self.engine.model.config)
+        limit = min(context_length(self.engine.model.config) or self.engine.context, self.engine.context)
         wanted = req.wanted_tokens()
-        max_new = wanted or (self.config.default_max_tokens if limit is None
-                             else max(1, min(self.config.default_max_tokens, limit - len(ids))))
+        max_new = wanted or max(1, min(self.config.default_max_tokens, limit - len(ids)))
         try:
             check_fits(self.engine.model.config, len(ids), max_new)
+            if len(ids) + max_new > self.engine.context:
+                raise SelfspecError(f"the prompt ({len(ids):,} tokens) and up to {max_new:,} new tokens exceed the "
+                                    f"{self.engine.context:,} positions per request this server holds "
+                                    "(--max-context)")
         except SelfspecError as exc:
             raise APIError(400, str(exc), param="messages" if isinstance(req, ChatRequest) else "prompt",
                            code="context_length_exceeded") from None
@@ -91,7 +96,7 @@ class Server:
             raise APIError(429, f"the server is busy ({self.worker.waiting} requests waiting); retry later",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.worker.retry_after())})
-        self.telemetry.queue(self.worker.waiting, self.worker.running is not None)
+        self.telemetry.queue(self.worker.waiting, self.worker.running)
         return job
 
     def finish_reason(self, job: Job, tokens: list[int], stopped: bool = False) -> str:
@@ -132,7 +137,7 @@ class Server:
     def done(self, endpoint: str, end: Finished, arrived: float) -> None:
         self.telemetry.requests.inc(endpoint=endpoint, status=end.status)
         self.telemetry.duration.observe(time.monotonic() - arrived)
-        self.telemetry.queue(self.worker.waiting, self.worker.running is not None)
+        self.telemetry.queue(self.worker.waiting, self.worker.running)
 
     async def stream(self, job: Job, req, endpoint: str, rid: str, arrived: float):
         """Server-sent events: one chunk per token (paced), the finish, usage if asked, ``[DONE]``."""
@@ -229,7 +234,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
     return 422, (f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))), where
 
 
-def create_app(engine: SpeculativeEngine, tokenizer, config: ServerConfig) -> FastAPI:
+def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
     """The application; the engine thread starts with it and stops with it."""
     server = Server(engine, tokenizer, config)
 
@@ -274,14 +279,14 @@ def create_app(engine: SpeculativeEngine, tokenizer, config: ServerConfig) -> Fa
     async def health():
         worker = server.worker
         status = "ok" if worker.accepting else "failed" if worker.failure else "stopping"
-        body = {"status": status, "waiting": worker.waiting, "running": worker.running is not None}
+        body = {"status": status, "waiting": worker.waiting, "running": worker.running}
         if worker.failure:
             body["error"] = worker.failure
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
-        server.telemetry.queue(server.worker.waiting, server.worker.running is not None)
+        server.telemetry.queue(server.worker.waiting, server.worker.running)
         return PlainTextResponse(server.telemetry.render(), media_type="text/plain; version=0.0.4")
 
     return app

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .metrics import Counter, Gauge, Histogram, Registry
 from .worker import Finished, Job
 
+BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
@@ -29,7 +30,10 @@ class Telemetry:
                                      "Draft steps whose accepted path reached depth-1 (the draft was judged at depth)"))
         self.accepted = r.add(Counter("selfspec_draft_accepted_total", "Draft tokens accepted, by depth"))
         self.waiting = r.add(Gauge("selfspec_queue_length", "Requests waiting for the engine"))
-        self.running = r.add(Gauge("selfspec_requests_running", "Requests the engine is decoding (0 or 1)"))
+        self.running = r.add(Gauge("selfspec_requests_running", "Requests in the engine's batch"))
+        self.batch = r.add(Histogram("selfspec_batch_size", "Requests verified per target pass", BATCH_BUCKETS))
+        self.drafted = r.add(Histogram("selfspec_draft_tokens_per_step",
+                                       "Draft tokens verified per target pass, all requests together", BATCH_BUCKETS))
         self.ttft = r.add(Histogram("selfspec_time_to_first_token_seconds",
                                     "From the request's arrival to its first token sent"))
         self.gap = r.add(Histogram("selfspec_inter_token_latency_seconds",
@@ -53,9 +57,14 @@ class Telemetry:
         if job.started is not None:
             self.queued.observe(job.started - job.submitted)
 
-    def queue(self, waiting: int, running: bool) -> None:
+    def on_step(self, rows: int, drafted: int) -> None:
+        """Engine thread: one batched pass over ``rows`` requests verified ``drafted`` draft tokens."""
+        self.batch.observe(rows)
+        self.drafted.observe(drafted)
+
+    def queue(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)
-        self.running.set(int(running))
+        self.running.set(running)
 
     def render(self) -> str:
         return self.registry.render()

@@ -1,11 +1,13 @@
-"""One engine, many clients: a bounded queue of requests and the thread that decodes them one at a time.
+"""One engine, many clients: a bounded queue of requests and the thread that decodes them, batched.
 
-The engine decodes one sequence at a time (its static KV cache is shared by every request), so requests
-wait in a queue of at most ``max_waiting``; past it :meth:`EngineWorker.submit` refuses (the server answers
-429). Each step's committed tokens go to the request's ``asyncio.Queue`` on the server's event loop. A request
-whose client went away is cancelled: the engine stops it after the step in progress and takes the next.
-A request whose decoding fails is answered as a server fault (500) and the worker goes on; if the thread itself
-dies, it logs why, fails every waiting request and refuses new ones (``failure``: the server's health turns 503).
+The engine thread owns a ``BatchEngine``: requests decode together, up to its ``max_batch`` at a time, one target
+pass per step for all of them (``selfspec/batching.py``); requests join between steps as rows free up. Beyond
+the batch, at most ``max_waiting`` requests wait in a queue; past it :meth:`EngineWorker.submit` refuses (the
+server answers 429). Each step's committed tokens go to the request's ``asyncio.Queue`` on the server's event
+loop. A request whose client went away is cancelled: its row is freed at the next step. A step that fails is
+answered as a server fault (500) for the requests in it and the worker goes on with a fresh batch; if the thread
+itself dies, it logs why, fails every waiting request and refuses new ones (``failure``: the server's health
+turns 503).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine import DecodeConfig, SpeculativeEngine
+from ..batching import BatchEngine
 from ..errors import SelfspecError
+from ..request import DecodeConfig, Request
 from ..stats import GenerationStats
 
 log = logging.getLogger("selfspec.serve")
@@ -54,6 +57,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
+    tokens: list[int] = field(default_factory=list)  # committed so far
 
     def send(self, event: Burst | Finished) -> None:
         """Hand ``event`` to the request's coroutine (from any thread)."""
@@ -68,41 +72,50 @@ class Job:
 
 
 class EngineWorker:
-    """The thread that owns the engine; requests reach it through :meth:`submit`."""
+    """The thread that owns the batch engine; requests reach it through :meth:`submit`. ``on_finish(job, end)`` is
+    called as a request ends, ``on_step(rows, drafted)`` after every batched pass (engine thread both)."""
 
-    def __init__(self, engine: SpeculativeEngine, max_waiting: int = 16, on_finish=None) -> None:
+    def __init__(self, engine: BatchEngine, max_waiting: int = 16, on_finish=None, on_step=None) -> None:
         if max_waiting < 1:
             raise SelfspecError(f"the queue must hold at least one request, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
-        self.on_finish = on_finish  # the metrics hook, called on the engine thread as a request ends
+        self.on_finish, self.on_step = on_finish, on_step
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.lock = threading.Lock()
-        self.waiting = 0
-        self.running: Job | None = None
+        self.waiting = 0  # queued, not yet in the batch
+        self.active: dict[Request, Job] = {}  # in the batch (joining or decoding)
         self.accepting = True
+        self.stopping = False
         self.failure: str | None = None  # why the engine thread died, if it did
         self.request_s: float | None = None  # moving average of a request's decoding time (for Retry-After)
         self.thread = threading.Thread(target=self._loop, name="selfspec-engine", daemon=True)
+
+    @property
+    def running(self) -> int:
+        """Requests in the batch."""
+        return len(self.active)
 
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, job: Job) -> bool:
-        """Queue ``job``; False when the queue is full or the worker is shutting down."""
+        """Queue ``job``; False when the batch's free rows and the queue are full or the worker is shutting down."""
         with self.lock:
-            if not self.accepting or self.waiting >= self.max_waiting:
+            if not self.accepting or self.waiting + len(self.active) >= self.max_waiting + self.engine.max_batch:
                 return False
             self.waiting += 1
         self.jobs.put(job)
         return True
 
     def retry_after(self) -> int:
-        """Seconds a refused client should wait: the queue ahead of it at the measured time per request."""
-        return max(1, round((self.waiting + 1) * (self.request_s or 1.0)))
+        """Seconds a refused client should wait: the queue ahead of it, a batch at a time, at the measured time per
+        request."""
+        batches = (self.waiting + 1) / self.engine.max_batch
+        return max(1, round(batches * (self.request_s or 1.0)))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new requests, fail the queued ones, let the running one finish (up to ``timeout``)."""
+        """Refuse new requests, fail the queued ones, let the batch finish (up to ``timeout``)."""
         with self.lock:
             self.accepting = False
         while True:
@@ -118,29 +131,74 @@ class EngineWorker:
         self.thread.join(timeout)
 
     def _loop(self) -> None:
-        job = None
         try:
-            while True:
-                job = self.jobs.get()
-                if job is None:
-                    return
-                with self.lock:
-                    self.waiting -= 1
-                    self.running = job
-                try:
-                    self._run(job)
-                finally:
-                    with self.lock:
-                        self.running = None
+            while self._admit():
+                self._step()
         except BaseException as exc:  # the thread is dying: say why, and let nobody wait for it
-            self._die(exc, job)
+            self._die(exc)
 
-    def _die(self, exc: BaseException, job: Job | None) -> None:
+    def _admit(self) -> bool:
+        """Move queued jobs into the batch while it has rows (waiting for one when idle). False: stop."""
+        while len(self.active) < self.engine.max_batch:
+            try:
+                job = self.jobs.get(block=not self.active and not self.stopping)
+            except queue.Empty:
+                break
+            if job is None:
+                self.stopping = True
+                continue
+            req = None
+            if job.cancelled.is_set():
+                self._finish(job, Finished("cancelled", GenerationStats(), []))
+            else:
+                try:
+                    req = self.engine.add(job.ids, job.cfg, GenerationStats())
+                except SelfspecError as exc:  # a request the server's checks let through but this engine cannot run
+                    self._finish(job, Finished("error", GenerationStats(), [], str(exc), "invalid_request_error"))
+            with self.lock:  # from the queue into the batch in one move, as submit counts them
+                self.waiting -= 1
+                if req is not None:
+                    job.started = time.monotonic()
+                    self.active[req] = job
+        return bool(self.active) or not self.stopping
+
+    def _step(self) -> None:
+        """One batched step; its tokens to their requests; requests that ended answered."""
+        for req, job in list(self.active.items()):
+            if job.cancelled.is_set():  # its row is freed at the start of the step below
+                self.engine.cancel(req)
+                self._end(req, "cancelled")
+        try:
+            events = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a fault of the server's, which must not stop it
+            log.exception("a batched decoding step failed")
+            self.engine.reset()
+            for req in list(self.active):
+                self._end(req, "error", f"{type(exc).__name__}: {exc}")
+            return
+        now = time.monotonic()
+        for req, new in events:
+            self.active[req].tokens += new
+            self.active[req].send(Burst(new, now))
+        if self.on_step is not None and events:
+            self.on_step(self.engine.last_rows, self.engine.last_drafted)
+        for req in [r for r in self.active if r.finished]:
+            self._end(req, "ok")
+
+    def _end(self, req: Request, status: str, error: str | None = None) -> None:
+        job = self.active.pop(req)
+        if status == "ok":
+            elapsed = time.monotonic() - job.started
+            self.request_s = elapsed if self.request_s is None else 0.7 * self.request_s + 0.3 * elapsed
+        self._finish(job, Finished(status, req.stats, job.tokens, error))
+
+    def _die(self, exc: BaseException) -> None:
         log.error("the engine thread died; the server refuses requests from now on", exc_info=exc)
         with self.lock:
             self.accepting = False
             self.failure = f"{type(exc).__name__}: {exc}"
-        pending = [job] if job is not None else []
+        pending = list(self.active.values())
+        self.active.clear()
         while True:
             try:
                 pending.append(self.jobs.get_nowait())
@@ -150,29 +208,6 @@ class EngineWorker:
             if waiting is not None:
                 waiting.send(Finished("error", GenerationStats(), [], f"the engine failed ({self.failure})",
                                       "unavailable"))
-
-    def _run(self, job: Job) -> None:
-        stats, tokens = GenerationStats(), []
-        if job.cancelled.is_set():
-            return self._finish(job, Finished("cancelled", stats, tokens))
-        job.started = time.monotonic()
-        steps = None
-        try:
-            steps = self.engine.steps(job.ids, job.cfg, stats)
-            for new in steps:
-                tokens += new
-                job.send(Burst(new, time.monotonic()))
-                if job.cancelled.is_set():
-                    break
-        except Exception as exc:  # noqa: BLE001 - the request was checked when it came in: a fault of the server's,
-            log.exception("decoding a request failed")  # which must not stop it
-            return self._finish(job, Finished("error", stats, tokens, f"{type(exc).__name__}: {exc}"))
-        finally:
-            if steps is not None:
-                steps.close()
-        elapsed = time.monotonic() - job.started
-        self.request_s = elapsed if self.request_s is None else 0.7 * self.request_s + 0.3 * elapsed
-        self._finish(job, Finished("cancelled" if job.cancelled.is_set() else "ok", stats, tokens))
 
     def _finish(self, job: Job, end: Finished) -> None:
         if self.on_finish is not None:
