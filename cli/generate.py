@@ -1,6 +1,7 @@
-"""selfspec generate: one prompt, printed as it is decoded (stats on stderr), or one JSON object.
+"""selfspec generate: one prompt, printed as it is decoded (stats on stderr), or one JSON object; or a file of
+prompts (``--prompts FILE.jsonl``) decoded together in batches, one JSON line per answer, in the file's order.
 
-The prompt is checked against the model's context before the weights load.
+Prompts are checked against the model's context before the weights load.
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ import sys
 
 from selfspec.errors import SelfspecError
 from selfspec.options import (add_decoding_options, add_drafter_options, add_model_options, add_sampling_options,
-                              decode_config, load_target)
+                              decode_config, load_target, positive_int)
 
-HELP = "decode one prompt (streams text, or --json)"
+HELP = "decode one prompt (streams text, or --json), or a file of prompts in batches (--prompts)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The prompt, the output form, the drafter, and the shared model / decoding / sampling options."""
-    p.add_argument("--prompt", required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="the prompt (a user message, or raw text with --no-chat-template)")
+    which.add_argument("--prompts", metavar="FILE", help='a .jsonl/.json file of prompts, each a string, '
+                       '{"prompt": ...} or {"messages": [...]}: decoded together, one JSON line per answer')
+    p.add_argument("--max-batch", type=positive_int, default=8, help="with --prompts: requests decoded together "
+                   "(default: %(default)s)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup",
@@ -64,8 +70,63 @@ def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text)
 
 
+def file_prompts(path: str, tokenizer, chat: bool) -> list[tuple[object, list[int]]]:
+    """(id or None, token ids) of every prompt in ``path`` (``--prompts``); one line names the record it cannot use."""
+    from pathlib import Path
+
+    from selfspec.data import apply_chat_template, read_records
+
+    out = []
+    for i, rec in enumerate(read_records(Path(path)), start=1):
+        if isinstance(rec, str):
+            out.append((None, prompt_ids(tokenizer, rec, chat)))
+        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            out.append((rec.get("id"), apply_chat_template(tokenizer, rec["messages"])))
+        elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            out.append((rec.get("id"), prompt_ids(tokenizer, rec["prompt"], chat)))
+        else:
+            raise SelfspecError(f"{path}: record {i} is neither a string nor an object with \"prompt\" (a string) or "
+                                f"\"messages\" (a list)")
+    if not out:
+        raise SelfspecError(f"{path} holds no prompts")
+    return out
+
+
+def summary(s, drafter) -> dict:
+    """What ``--json`` prints of one answer's stats."""
+    return {"new_tokens": s.new_tokens, "tokens_per_s": s.tokens_per_s, "mean_accepted": s.mean_accepted,
+            "target_forwards": s.target_forwards, "dtype": s.dtype, "target_pass": s.target_pass, "exact": s.exact,
+            "drafter": drafter.name if drafter else "none", "stats": s.to_dict()}
+
+
+def run_file(args: argparse.Namespace) -> int:
+    """``--prompts``: every prompt decoded, ``--max-batch`` at a time; one JSON line per answer, in order."""
+    from selfspec.batching import BatchEngine
+    from selfspec.context import check_fits
+    from selfspec.zoo import load_config, load_tokenizer
+
+    prompts = file_prompts(args.prompts, load_tokenizer(args.model), not args.no_chat_template)
+    config = load_config(args.model)
+    for i, (_, ids) in enumerate(prompts, start=1):
+        try:
+            check_fits(config, len(ids), args.max_new_tokens)
+        except SelfspecError as exc:
+            raise SelfspecError(f"{args.prompts}, prompt {i}: {exc}") from None
+    model, tokenizer = load_target(args)
+    drafter = build_drafter(args, model, tokenizer)
+    context = max(len(ids) for _, ids in prompts) + args.max_new_tokens
+    engine = BatchEngine(model, drafter, tokenizer, max_batch=args.max_batch, context=context, exact=args.exact)
+    results = engine.generate_batch([ids for _, ids in prompts], decode_config(args))
+    for i, ((pid, _), res) in enumerate(zip(prompts, results)):
+        print(json.dumps({"index": i, **({"id": pid} if pid is not None else {}), "text": res.text,
+                          **summary(res.stats, drafter)}, ensure_ascii=False))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the prompt against the context, load, decode; print the text and stats."""
+    if args.prompts:
+        return run_file(args)
     from selfspec.context import check_fits
     from selfspec.engine import SpeculativeEngine
     from selfspec.stats import GenerationStats
@@ -79,11 +140,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = decode_config(args)
     if args.json:
         res = engine.generate(ids, cfg)
-        s = res.stats
-        print(json.dumps({"text": res.text, "new_tokens": s.new_tokens, "tokens_per_s": s.tokens_per_s,
-                          "mean_accepted": s.mean_accepted, "target_forwards": s.target_forwards,
-                          "dtype": s.dtype, "target_pass": s.target_pass, "exact": s.exact,
-                          "drafter": drafter.name if drafter else "none", "stats": s.to_dict()}))
+        print(json.dumps({"text": res.text, **summary(res.stats, drafter)}))
         return 0
     stats = GenerationStats()
     for piece in engine.stream(ids, cfg, stats):

@@ -169,3 +169,24 @@ def test_a_fresh_process_prints_one_line_and_no_traceback(cut_short: Path, tmp_p
         assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith(f"selfspec {argv[0]}: error: argument ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heads"]  # nothing written beside the heads made here
+
+
+def test_generate_prompts_file_answers_each_line_as_generate_does(tiny_folder: Path, tmp_path: Path, capsys) -> None:
+    """``--prompts``: one JSON line per prompt, in the file's order, each the text ``--prompt`` gives it alone."""
+    import json
+
+    prompts = ["Hello there", "Count: 1 2 3", "abc abc abc", "x"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join([json.dumps(prompts[0]), json.dumps({"prompt": prompts[1], "id": "b"}),
+                               json.dumps({"messages": [{"role": "user", "content": prompts[2]}]}),
+                               json.dumps(prompts[3])]) + "\n")
+    common = ["--model", str(tiny_folder), "--max-new-tokens", "12", "--dtype", "float32"]
+    assert main(["generate", "--prompts", str(path), "--max-batch", "3", *common]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2, 3] and lines[1]["id"] == "b"
+    for prompt, line in zip(prompts, lines):
+        assert main(["generate", "--prompt", prompt, "--json", *common]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == line["text"]
+    path.write_text('{"text": "no prompt here"}\n')
+    line = refused(["generate", "--prompts", str(path), *common], capsys)
+    assert "record 1 is neither a string nor an object" in line

@@ -293,6 +293,22 @@ def test_generate_data_head_fix_keeps_batched_output() -> None:
     assert all(seen) and after == before and len(after) == 2
 
 
+def test_generate_data_through_the_batch_engine_gives_each_prompts_greedy_reply() -> None:
+    """Self-distillation replies from selfspec's batch engine (more prompts than rows, of different lengths) are each
+    prompt's greedy reply decoded alone."""
+    import argparse
+
+    gen = load_script("training/generate_data.py")
+    model, tok = tiny_model(0, vocab=VOCAB), make_tokenizer()
+    texts = ["say it 1", "a longer prompt here", "x", "one two one two one two", "abc"]
+    todo = [({"id": str(i)}, None, tok.encode(t)) for i, t in enumerate(texts)]
+    args = argparse.Namespace(batch_size=2, max_new_tokens=12, temperature=0.0, seed=0)
+    got = {item[0]["id"]: reply for item, reply in gen.selfspec_replies(model, tok, todo, args)}
+    alone = {str(i): tok.decode(SpeculativeEngine(model, None).generate(ids, DecodeConfig(max_new_tokens=12)).tokens,
+                                skip_special_tokens=True).strip() for i, (_, _, ids) in enumerate(todo)}
+    assert got == alone
+
+
 def test_data_with_nothing_to_train_on_is_refused_before_any_model_loads(tmp_path) -> None:
     """Prompts without replies (HumanEval's kind) are one line, before the model (here: none that exists) loads."""
     from selfspec.errors import SelfspecError
