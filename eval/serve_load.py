@@ -1,22 +1,27 @@
-"""Load a ``selfspec serve`` endpoint and measure what its clients see.
+"""Load a ``selfspec serve`` endpoint (and vLLM's own OpenAI server beside it) and measure what clients see.
 
     python -m selfspec_eval.serve_load --model smollm2-135m-instruct \\
         --server "--heads checkpoints/smollm2-135m-instruct-eagle" --server "--drafter none" \\
-        --concurrency 1,4 --requests 8 --max-tokens 96
+        --vllm plain --vllm checkpoints/experimental/smollm2-135m-instruct-eagle3 \\
+        --concurrency 1,4,16 --requests 16 --max-tokens 96 --smooth off
 
 For each ``--server`` (extra ``selfspec serve`` arguments; each starts its own server on a free loopback
-port and stops it afterwards) and each concurrency, ``--requests`` streamed chat requests (held-out
-ShareGPT and HumanEval first turns, greedy) are sent by that many concurrent clients, each prompt twice
-in a row with smoothing on and off. Per request, as the client receives it: time to first token, the gaps
-between tokens (inter-token latency), and tokens per second after the first token. Bounded: at most
-``--requests`` per cell, each at most ``--max-tokens``, the whole run under ``--time-limit`` seconds.
-Loopback only: ``--url`` must point at 127.0.0.1 / localhost.
+port and stops it afterwards), each ``--vllm`` (``plain``, or a heads folder exported to vLLM's layout and drafted
+with; vLLM's OpenAI server from its environment, ``make vllm-env``, bf16, eager, Intel OpenMP as
+``vllm_worker.py`` runs it) and each concurrency, ``--requests`` streamed chat requests (held-out ShareGPT and
+HumanEval first turns, greedy) are sent by that many concurrent clients (``--smooth both``: each prompt twice
+in a row, selfspec's smoothing on and off). Per cell: total tokens/s (every token over the cell's wall time);
+per request, as the client receives it: time to first token, the gaps between tokens (inter-token latency), and
+tokens per second after the first token. Bounded: at most ``--requests`` per cell, each at most
+``--max-tokens``, the whole run under ``--time-limit`` seconds. Loopback only: ``--url`` must point at
+127.0.0.1 / localhost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import socket
 import statistics
@@ -42,7 +47,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 class Sample:
     """One streamed request as the client saw it."""
 
-    smooth: bool
+    smooth: bool | None  # selfspec's stream smoothing asked for (None: not asked, another server)
     ttft_s: float
     gaps_s: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -85,10 +90,40 @@ def start_server(model: str, extra: str, log: Path) -> tuple[subprocess.Popen, s
     return proc, url
 
 
-def stream_once(url: str, model: str, messages: list[dict], max_tokens: int, smooth: bool) -> Sample:
-    """One streamed chat request; the arrival time of every content chunk."""
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "smooth": smooth}).encode()
+def start_vllm(model: str, which: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server for ``model`` (``which``: "plain" or a heads folder to export and draft with)."""
+    from selfspec.checkpoint.serving import export_for_serving, vllm_speculative_config
+    from selfspec.zoo import resolve
+
+    from .vllm_client import missing_environment, vllm_python
+    from .vllm_worker import ENV_DEFAULTS, OPENMP
+
+    if missing_environment():
+        raise RuntimeError(missing_environment())
+    folder = resolve(model)
+    python = vllm_python()
+    port = free_port()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--served-model-name", model,
+           "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
+    if which != "plain":
+        exported = export_for_serving(which, log.with_suffix(".export"), "vllm", base=folder)
+        cmd += ["--speculative-config", json.dumps(vllm_speculative_config(exported))]
+    env = {**ENV_DEFAULTS, "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in its own process
+    lib = python.parent.parent / "lib" / OPENMP
+    if lib.is_file():
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(lib), env.get("LD_PRELOAD")]))
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc, 900)
+    return proc, url
+
+
+def stream_once(url: str, model: str, messages: list[dict], max_tokens: int, smooth: bool | None) -> Sample:
+    """One streamed chat request (``smooth`` None: no selfspec field, for other servers); the arrival time of
+    every content chunk."""
+    fields = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = json.dumps({**fields, **({} if smooth is None else {"smooth": smooth})}).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
     start = time.monotonic()
     arrivals = []
@@ -118,22 +153,28 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
-def summarize(samples: list[Sample]) -> dict:
+def summarize(samples: list[Sample], cell_tokens_per_s: float) -> dict:
+    """The figures of ``samples`` (the cell's total throughput, every request of it, given)."""
     ok = [s for s in samples if s.error is None]
     gaps = [g for s in ok for g in s.gaps_s]
-    return {"requests": len(samples), "errors": len(samples) - len(ok),
+    return {"requests": len(samples), "errors": len(samples) - len(ok), "total_tokens_per_s": cell_tokens_per_s,
             "ttft_p50_ms": 1e3 * percentile([s.ttft_s for s in ok], 50),
+            "ttft_p99_ms": 1e3 * percentile([s.ttft_s for s in ok], 99),
             "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99),
             "itl_stdev_ms": 1e3 * (statistics.pstdev(gaps) if len(gaps) > 1 else 0.0),
             "tokens_per_s": statistics.mean([s.tokens_per_s for s in ok]) if ok else 0.0}
 
 
 def run_cell(url: str, model: str, prompts: list[list[dict]], concurrency: int, requests: int, max_tokens: int,
-             deadline: float) -> list[Sample]:
-    """``requests`` streamed requests by ``concurrency`` clients: each prompt twice in a row, smoothing on then
-    off, so both settings see the same prompts."""
+             deadline: float, smooth: str = "both") -> tuple[list[Sample], float]:
+    """``requests`` streamed requests by ``concurrency`` clients (``smooth`` "both": each prompt twice in a row,
+    smoothing on then off, so both settings see the same prompts; "on", "off"; "none": no selfspec field).
+    Returns the samples and the cell's wall time."""
     lock = threading.Lock()
-    jobs = [(prompts[(i // 2) % len(prompts)], i % 2 == 0) for i in range(requests)]
+    if smooth == "both":
+        jobs = [(prompts[(i // 2) % len(prompts)], i % 2 == 0) for i in range(requests)]
+    else:
+        jobs = [(prompts[i % len(prompts)], {"on": True, "off": False, "none": None}[smooth]) for i in range(requests)]
     samples: list[Sample] = []
 
     def client() -> None:
@@ -146,10 +187,11 @@ def run_cell(url: str, model: str, prompts: list[list[dict]], concurrency: int, 
             with lock:
                 samples.append(sample)
 
+    start = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         for _ in range(concurrency):
             pool.submit(client)
-    return samples
+    return samples, time.monotonic() - start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,7 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the model the servers serve")
     p.add_argument("--server", action="append", default=[],
                    help="extra `selfspec serve` arguments for one server (repeat to compare; default: plain)")
+    p.add_argument("--vllm", action="append", default=[], metavar="plain|HEADS",
+                   help="vLLM's OpenAI server too: plain, or drafting with a heads folder exported to vLLM (repeat)")
     p.add_argument("--url", help="an already running server on this machine instead of starting one")
+    p.add_argument("--smooth", choices=("both", "on", "off"), default="both",
+                   help="selfspec's stream smoothing per request (both: each prompt with it on and off)")
     p.add_argument("--concurrency", default="1,4", help="concurrent clients, comma-separated")
     p.add_argument("--requests", type=int, default=8, help="requests per cell (server x concurrency)")
     p.add_argument("--max-tokens", type=int, default=96)
@@ -174,23 +220,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = load_tokenizer(args.model)
     prompts = [p.messages([]) for p in load_bench_prompts(["chat", "code"], max(1, args.requests // 4), tok, 300)]
     deadline = time.monotonic() + args.time_limit
-    servers = [None] if args.url else (args.server or ["--drafter none"])
+    servers = [("url", None)] if args.url else [("selfspec", x) for x in args.server or ([] if args.vllm else
+                                                                                         ["--drafter none"])]
+    servers += [("vllm", x) for x in args.vllm]
+    log = Path(args.out or "serve_load")
     results = []
-    for extra in servers:
+    for i, (kind, extra) in enumerate(servers):
         proc = None
-        if args.url:
+        if kind == "url":
             url = args.url.rstrip("/")
             wait_ready(url, None, 30)
+        elif kind == "vllm":
+            proc, url = start_vllm(args.model, extra, log.with_suffix(f".vllm{i}.log"))
         else:
-            proc, url = start_server(args.model, extra, Path(args.out or "serve_load").with_suffix(".server.log"))
+            proc, url = start_server(args.model, extra, log.with_suffix(f".server{i}.log"))
+        modes = ["none"] if kind == "vllm" else ["on", "off"] if args.smooth == "both" else [args.smooth]
         try:
-            stream_once(url, args.model, prompts[0], 8, False)  # warm-up
+            stream_once(url, args.model, prompts[0], 8, None if kind == "vllm" else False)  # warm-up
             for c in (int(x) for x in args.concurrency.split(",")):
-                samples = run_cell(url, args.model, prompts, c, args.requests, args.max_tokens, deadline)
-                for smooth in (True, False):
-                    row = {"server": extra or url, "concurrency": c, "smooth": smooth,
-                           **summarize([s for s in samples if s.smooth == smooth])}
-                    results.append({**row, "samples": [asdict(s) for s in samples if s.smooth == smooth]})
+                samples, wall = run_cell(url, args.model, prompts, c, args.requests, args.max_tokens, deadline,
+                                         "none" if kind == "vllm" else args.smooth)
+                total = sum(s.tokens for s in samples if s.error is None) / wall
+                for mode in modes:
+                    mine = [s for s in samples if {"on": s.smooth is True, "off": s.smooth is False,
+                                                   "none": True}[mode]]
+                    row = {"server": f"vllm {extra}" if kind == "vllm" else extra or url, "concurrency": c,
+                           "smooth": mode, **summarize(mine, total)}
+                    results.append({**row, "samples": [asdict(s) for s in mine]})
                     print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)
         finally:

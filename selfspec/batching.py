@@ -7,8 +7,8 @@
             ...
     batch.generate_batch([ids1, ids2, ...], cfg)   # the same, to completion
 
-A step: requests waiting for a row take one (a request's prompt is cached one ``PREFILL_CHUNK`` per step, so a
-long prompt holds the others up by one chunk per step, not its whole prefill); every decoding request drafts
+A step: requests waiting for a row take one (prompts are cached in chunks, at most ``PREFILL_BUDGET`` tokens a
+step, so a long prompt holds the others up a chunk or two per step, not its whole prefill); every decoding request drafts
 (``Request.draft``, each with its drafter's own state), all trees are verified in **one** pass over the batch
 cache (``BatchPass.verify_batch``), then each request accepts, commits and checks its stop conditions on its own
 (``Request.advance``). Requests that finish or were cancelled give their row back before the next step.
@@ -16,7 +16,8 @@ cache (``BatchPass.verify_batch``), then each request accepts, commits and check
 How deep requests draft: a batch of one drafts as ``SpeculativeEngine`` does (its own adaptive policy; a batch of
 one is exactly the single-request engine); from two requests on, the ``Budget`` picks one depth for the step
 from the measured cost of passes of this many rows (``selfspec/budget.py``), down to 0 (plain batched decoding)
-when drafting cannot pay. Outputs do not depend on the depth: each request's tokens are those it gets alone.
+when drafting cannot pay; a request with ``adaptive=False`` (``--fixed-tree``) drafts its full depth regardless.
+Outputs do not depend on the depth: each request's tokens are those it gets alone.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .static_pass import PREFILL_CHUNK, bucket_for
 from .stats import GenerationStats
 
 DEFAULT_CONTEXT = 4096  # positions per request when the model allows as many (prompt + new tokens)
+PREFILL_BUDGET = 2 * PREFILL_CHUNK  # prompt tokens cached per step at most (whole chunks): the others' stall
 
 
 @dataclass
@@ -109,9 +111,7 @@ class BatchEngine:
         if not self.running:
             return []
         rows = self.running
-        depth = None if len(rows) == 1 else self.budget.depth(rows)  # None: the request's own policy
-        cost = self.budget.node_cost(len(rows))
-        trees = [row.draft(depth, cost) if depth is not None else row.draft() for row in rows]
+        trees = self._draft(rows)
         t0 = time.perf_counter()
         vers = self.target.verify_batch([(row.state.cache, tree) for row, tree in zip(rows, trees)],
                                         rows[0].need_hidden)
@@ -138,6 +138,15 @@ class BatchEngine:
             req.close()
         self.waiting, self.joining, self.running = [], [], []
 
+    def _draft(self, rows: list[Request]) -> list:
+        """Every row's tree: alone, as its own policy says; in a batch, at the budget's depth (a request with
+        ``adaptive=False`` always drafts its full depth)."""
+        if len(rows) == 1:
+            return [rows[0].draft()]
+        depth = self.budget.depth(rows)
+        cost = self.budget.node_cost(len(rows))
+        return [row.draft(depth if row.cfg.adaptive else row.max_depth, cost) for row in rows]
+
     def _leave(self) -> None:
         """Requests that finished or were cancelled give their rows back (joining ones too)."""
         for row in [r for r in self.running if r.finished or r.cancelled]:
@@ -155,24 +164,25 @@ class BatchEngine:
         req.close()
 
     def _join(self) -> None:
-        """Waiting requests take free rows; one prompt chunk is cached; a request whose prompt is all cached
-        starts decoding this step."""
+        """Waiting requests take free rows; prompt chunks are cached, up to ``PREFILL_BUDGET`` tokens a step (whole
+        chunks, each request's own forward: its cache bits do not depend on who joins with it); a request whose
+        prompt is all cached starts decoding this step."""
         while self.waiting and self.target.free:
             req = self.waiting.pop(0)
             self.joining.append(Joining(req, self.target.new_cache(req.max_len)))
-        if not self.joining:
-            return
-        job = self.joining[0]
-        prompt = job.req.ids[:-1]  # the last prompt token is the first root
-        layers = job.req.need_hidden
-        if job.done < prompt.numel():
-            chunk = prompt[job.done:job.done + PREFILL_CHUNK]
-            states = self.target.prefill_chunk(job.slot, chunk, job.done, layers)
-            job.done += chunk.numel()
-            if layers:
-                job.hidden = [*(job.hidden or []), states]
-        if job.done >= prompt.numel():
-            self.joining.pop(0)
+        budget = PREFILL_BUDGET
+        for job in list(self.joining):
+            prompt = job.req.ids[:-1]  # the last prompt token is the first root
+            while job.done < prompt.numel() and budget > 0:
+                chunk = prompt[job.done:job.done + PREFILL_CHUNK]
+                states = self.target.prefill_chunk(job.slot, chunk, job.done, job.req.need_hidden)
+                job.done += chunk.numel()
+                budget -= chunk.numel()
+                if job.req.need_hidden:
+                    job.hidden = [*(job.hidden or []), states]
+            if job.done < prompt.numel():
+                return
+            self.joining.remove(job)
             hidden = tuple(torch.cat(parts) for parts in zip(*job.hidden)) if job.hidden else None
             job.req.prefilled(DecodeState(job.req.ids.clone(), job.slot, job.req.ids.numel()), hidden, self.target)
             self.running.append(job.req)

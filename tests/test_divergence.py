@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-import selfspec.engine as engine_mod
+import selfspec.request as request_mod
 from conftest import OracleTreeDrafter, hf_greedy, tiny_model
 from selfspec.divergence import (DivergenceChecker, compare_lengths, count_verdicts, diagnose_divergence,
                                  first_difference, format_counts, one_pass_logits)
@@ -56,7 +56,7 @@ def test_lossy_acceptance_in_the_engine_is_real(monkeypatch):
     """The engine keeps the target's second-best token at one step: the diagnosis must call it a bug."""
     model = tiny_model(1)
     ref = hf_greedy(model, PROMPT, 16)
-    lossless, step = engine_mod.accept, itertools.count()
+    lossless, step = request_mod.accept, itertools.count()
 
     def second_best_at_step_4(tree, ver, sampling, gen):
         path, bonus = lossless(tree, ver, sampling, gen)
@@ -64,7 +64,7 @@ def test_lossy_acceptance_in_the_engine_is_real(monkeypatch):
             bonus = int(ver.logits[path[-1] if path else 0].topk(2).indices[1])
         return path, bonus
 
-    monkeypatch.setattr(engine_mod, "accept", second_best_at_step_4)
+    monkeypatch.setattr(request_mod, "accept", second_best_at_step_4)
     other = SpeculativeEngine(model).generate(PROMPT, DecodeConfig(max_new_tokens=16)).tokens
     d = diagnose_divergence(model, model, PROMPT, ref, other, max_new_tokens=16)
     assert d.verdict == "real" and d.index == 4 and d.other_rank == 2
