@@ -26,7 +26,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .exact import BatchPlan, exact_attention, exact_batch_attention
+from .exact import exact_attention
 
 NAME = "selfspec_sdpa"
 
@@ -51,8 +51,6 @@ def selfspec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     """transformers' attention-interface signature; without a 4-D mask (not a static pass), stock "sdpa"; given an
     exact pass's plan (``selfspec_exact``), every row as a plain step computes it (``selfspec/exact.py``)."""
     plan = kwargs.get("selfspec_exact")
-    if isinstance(plan, BatchPlan):
-        return exact_batch_attention(query, key, value, plan, scaling), None
     if plan is not None:
         return exact_attention(query, key, value, plan, scaling), None
     if attention_mask is None or attention_mask.dim() != 4 or dropout or kwargs.get("softcap") is not None:

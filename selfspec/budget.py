@@ -67,13 +67,15 @@ class Budget:
         deepest = max(row.max_depth for row in rows)
         if plain is None or deepest == 0 or rows[0].drafter is None:
             return 0  # measure a plain pass of this many rows first
+        ctrls = [_controller(row) for row in rows]
+        gains = [_cumulative(c.alphas(row.max_depth)) for c, row in zip(ctrls, rows)]  # [k]: tokens at depth k
         best_k, best = 0, n / plain
         for k in range(1, deepest + 1):
-            ctrls = [_controller(row) for row in rows]
-            nodes = max(c.expected_nodes(min(k, row.max_depth)) for c, row in zip(ctrls, rows))
+            depths = [min(k, row.max_depth) for row in rows]
+            nodes = max(c.expected_nodes(d) for c, d in zip(ctrls, depths))
             seconds = self.cost.seconds(n, self.bucket(nodes))
-            drafting = sum((c.draft_per_depth or 0.0) * min(k, row.max_depth) for c, row in zip(ctrls, rows))
-            tokens = sum(c.expected_tokens(min(k, row.max_depth)) for c, row in zip(ctrls, rows))
+            drafting = sum((c.draft_per_depth or 0.0) * d for c, d in zip(ctrls, depths))
+            tokens = sum(g[d] for g, d in zip(gains, depths))
             if tokens / (seconds + drafting) > best:
                 best_k, best = k, tokens / (seconds + drafting)
         return best_k
@@ -89,6 +91,15 @@ class Budget:
     def record(self, rows: int, nodes: int, seconds: float) -> None:
         """A pass over ``rows`` rows whose largest tree held ``nodes`` nodes took ``seconds``."""
         self.cost.record(rows, self.bucket(nodes), seconds)
+
+
+def _cumulative(alphas: list[float]) -> list[float]:
+    """[k]: expected tokens a step drafting to depth k commits (1 + the chance each depth up to k is accepted)."""
+    out, run = [1.0], 1.0
+    for a in alphas:
+        run *= a
+        out.append(out[-1] + run)
+    return out
 
 
 def _controller(row):

@@ -82,9 +82,11 @@ class ExactPlan:
 @dataclass
 class BatchPlan:
     """A batched pass's plans: ``plans[i]`` for batch entry i (a request's row of the cache), None for a padding
-    entry. Each entry attends over its own cache row exactly as that request's pass alone would."""
+    entry. Each entry attends over its own cache row exactly as that request's pass alone would; ``stacked``: groups
+    of the same shape in different entries share one call (where the self-test found that keeps every row's bits)."""
 
     plans: list[ExactPlan | None]
+    stacked: bool = True
 
 
 def ancestor_path(parents: list[int], node: int) -> list[int]:
@@ -128,53 +130,72 @@ def _group(members: list[tuple[int, list[int] | None]], width: int, cache_len: i
     return RowGroup(torch.tensor([node for node, _ in members], device=device), width, keys, mask.to(device))
 
 
-def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: ExactPlan,
+def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: ExactPlan | BatchPlan,
                     scale: float | None) -> torch.Tensor:
-    """Attention of ``query`` (1, heads, q, d) over the cache ``key``/``value`` (1, kv_heads, slots, d) by ``plan``;
-    returns (1, q, heads, d), zeros in the rows the plan leaves out (padding)."""
-    _, heads, q, d = query.shape
-    rows = query[0].transpose(0, 1)  # (q, heads, d)
-    out = query.new_zeros(q, heads, d)
-    for g in plan.groups:
-        _attend(g, rows, key, value, out, scale)
-    return out[None]
-
-
-def exact_batch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: BatchPlan,
-                          scale: float | None) -> torch.Tensor:
-    """``exact_attention`` for each batch entry of ``query`` (B, heads, q, d) over its own row of ``key``/``value``
-    (B, kv_heads, slots, d); returns (B, q, heads, d), zeros for padding entries."""
+    """Attention of ``query`` (B, heads, q, d) over the cache ``key``/``value`` (B, kv_heads, slots, d), batch entry
+    i by ``plan.plans[i]`` (an ``ExactPlan`` alone: a batch of one); returns (B, q, heads, d), zeros in the rows the
+    plans leave out (padding). Groups of equal shape in different entries share one call where ``plan.stacked``."""
+    plans, stacked = (plan.plans, plan.stacked) if isinstance(plan, BatchPlan) else ([plan], False)
     b, heads, q, d = query.shape
+    rows = query.transpose(1, 2)  # (B, q, heads, d)
     out = query.new_zeros(b, q, heads, d)
-    for i, entry in enumerate(plan.plans):
-        if entry is not None:
-            out[i] = exact_attention(query[i:i + 1], key[i:i + 1], value[i:i + 1], entry, scale)[0]
+    calls: dict[tuple, list[tuple[int, RowGroup]]] = {}
+    for entry, p in enumerate(plans):
+        for g in p.groups if p is not None else ():
+            shape = (g.width, g.keys is None, g.rows.numel() if g.keys is None else 0)
+            calls.setdefault(shape if stacked else (entry, id(g)), []).append((entry, g))
+    for members in calls.values():
+        (_attend_in_place if members[0][1].keys is None else _attend_gathered)(members, rows, key, value, out, scale)
     return out
 
 
-def _attend(g: RowGroup, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-            scale: float | None) -> None:
-    """One call: the group's rows of ``rows`` (q, heads, d) over ``key``/``value``, written into ``out``."""
-    heads, d = rows.shape[1:]
-    kv, m = key.shape[1], g.rows.numel()
+def _attend_in_place(members: list[tuple[int, RowGroup]], rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     out: torch.Tensor, scale: float | None) -> None:
+    """One call for groups (one per batch entry) of ``m`` rows each that read their entry's cache in place over the
+    same width: each entry's query blocks stacked and padded once, over the entry's own K."""
+    heads, d = rows.shape[2:]
+    kv, width, m = key.shape[1], members[0][1].width, members[0][1].rows.numel()
+    group, e = heads // kv, len(members)
+    n = query_rows(m * group, d)
+    entries = [i for i, _ in members]
+    at = torch.tensor(entries, device=rows.device)[:, None]
+    which = torch.stack([g.rows for _, g in members])  # (e, m): each entry's rows
+    q1 = rows.new_zeros(e, kv, n, d)
+    q1[:, :, :m * group] = rows[at, which].view(e, m, kv, group, d).transpose(1, 2).reshape(e, kv, m * group, d)
+    mask = torch.stack([g.mask[:, 0, 0] for _, g in members]).repeat_interleave(group, 1)  # per query head
+    mask = torch.cat([mask, mask[:, -1:].expand(-1, n - m * group, -1)], 1)
+    if entries == list(range(key.shape[0])):  # every entry: the cache itself, not a copy
+        k, v = key[:, :, :width], value[:, :, :width]
+    else:
+        k, v = key[:, :, :width].index_select(0, at[:, 0]), value[:, :, :width].index_select(0, at[:, 0])
+    o = scaled_dot_product_attention(q1, k, v, attn_mask=mask[:, None], scale=scale)
+    out[at, which] = o[:, :, :m * group].view(e, kv, m, group, d).transpose(1, 2).reshape(e, m, heads, d)
+
+
+def _attend_gathered(members: list[tuple[int, RowGroup]], rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     out: torch.Tensor, scale: float | None) -> None:
+    """One call for rows with keys of their own (a branching tree's), over the same width: each row one batch entry,
+    its keys gathered from its entry's cache."""
+    heads, d = rows.shape[2:]
+    kv, width = key.shape[1], members[0][1].width
     group = heads // kv
-    mine = rows.index_select(0, g.rows).view(m, kv, group, d)
-    if g.keys is None:  # one K for every row: the rows' query blocks stacked in one entry, padded once
-        n = query_rows(m * group, d)
-        q1 = mine.new_zeros(1, kv, n, d)
-        q1[0, :, :m * group] = mine.transpose(0, 1).reshape(kv, m * group, d)
-        mask = g.mask[:, 0, 0].repeat_interleave(group, 0)  # each row's mask for each of its query heads
-        mask = torch.cat([mask, mask[-1:].expand(n - m * group, -1)])
-        o = scaled_dot_product_attention(q1, key[:, :, :g.width], value[:, :, :g.width], attn_mask=mask[None, None],
-                                         scale=scale)
-        out.index_copy_(0, g.rows, o[0, :, :m * group].view(kv, m, group, d).transpose(0, 1).reshape(m, heads, d))
-        return
-    qs = rows.new_zeros(m, kv, query_rows(group, d), d)  # each row its own entry: its keys gathered, (kv, m * width, d)
-    qs[:, :, :group] = mine  # -> (m, kv, width, d)
-    k = key[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
-    v = value[0].index_select(1, g.keys).view(kv, m, g.width, d).transpose(0, 1)
-    o = scaled_dot_product_attention(qs, k, v, attn_mask=g.mask, scale=scale)  # (m, kv, query rows, d)
-    out.index_copy_(0, g.rows, o[:, :, :group].reshape(m, heads, d))
+    qs, ks, vs, masks = [], [], [], []
+    for e, g in members:
+        m = g.rows.numel()
+        q1 = rows.new_zeros(m, kv, query_rows(group, d), d)
+        q1[:, :, :group] = rows[e].index_select(0, g.rows).view(m, kv, group, d)
+        qs.append(q1)
+        ks.append(key[e].index_select(1, g.keys).view(kv, m, width, d).transpose(0, 1))  # (m, kv, width, d)
+        vs.append(value[e].index_select(1, g.keys).view(kv, m, width, d).transpose(0, 1))
+        masks.append(g.mask)
+    one = len(members) == 1
+    o = scaled_dot_product_attention(*(parts[0] if one else torch.cat(parts) for parts in (qs, ks, vs)),
+                                     attn_mask=masks[0] if one else torch.cat(masks), scale=scale)
+    start = 0
+    for e, g in members:  # (m, kv, query rows, d) each
+        m = g.rows.numel()
+        out[e].index_copy_(0, g.rows, o[start:start + m, :, :group].reshape(m, heads, d))
+        start += m
 
 
 # --- the start-up self-test ------------------------------------------------------------------------------
@@ -217,7 +238,7 @@ def row_range(linear: nn.Module, in_features: int, buckets: tuple[int, ...], dev
 def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``exact_attention`` gives every row the bits it gets in a call of its own (as the plain step runs it)
     when rows share calls: a 32-node chain (its query blocks stacked over one K) and a branching tree (each row its
-    own keys), on caches of one to three key blocks."""
+    own keys), on caches of one to three key blocks; and requests of a batch whose groups of one shape share calls."""
     key = (str(device), dtype, heads, kv_heads, head_dim)
     if key not in _BATCHED:
         gen = torch.Generator().manual_seed(0)
@@ -233,8 +254,33 @@ def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.
             outs = [exact_attention(q, k, v, plan_pass(parents, depth, cache_len, slots, dtype, device, batched),
                                     head_dim ** -0.5) for batched in (True, False)]
             ok &= torch.equal(*outs)
+        for rows in (((40, [-1]), (300, [-1]), (45, [-1]), (500, [-1, 0, 1, 2]), (1000, [-1, 0, 0, 1]), None),
+                     ((40, [-1]), (41, [-1]), (50, [-1]))):  # requests of a batch: some groups shared, some not
+            ok &= _stacking_keeps_rows(rows, heads, kv_heads, head_dim, device, dtype, gen)
         _BATCHED[key] = ok
     return _BATCHED[key]
+
+
+def _stacking_keeps_rows(rows: tuple, heads: int, kv_heads: int, head_dim: int, device: torch.device,
+                         dtype: torch.dtype, gen: torch.Generator) -> bool:
+    """A batch of requests (``rows``: (cache length, tree parents) each, None for padding) attended with equal
+    groups of different requests stacked gives each request the bits of its own call."""
+    slots, n = 1088, max(len(r[1]) for r in rows if r is not None)
+    plans = []
+    for r in rows:
+        if r is None:
+            plans.append(None)
+            continue
+        depth = [0] * len(r[1])
+        for i, p in enumerate(r[1][1:], 1):
+            depth[i] = depth[p] + 1
+        plans.append(plan_pass(r[1], depth, r[0], slots, dtype, device))
+    q = torch.randn(len(rows), heads, n, head_dim, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(len(rows), kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(len(rows), kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
+    together = exact_attention(q, k, v, BatchPlan(plans), head_dim ** -0.5)
+    return all(torch.equal(together[i:i + 1], exact_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], p, head_dim ** -0.5))
+               for i, p in enumerate(plans) if p is not None)
 
 
 @dataclass

@@ -175,15 +175,15 @@ def test_the_eager_pass_and_no_exact_say_they_are_not_exact() -> None:
 
 
 
-def batch_outputs(arch: str, drafter: str, exact_pass: bool) -> tuple[list[list[int]], list[list[int]]]:
+def batch_outputs(arch: str, drafter: str, exact_pass: bool, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """(plain alone, batched) greedy outputs of 8 requests, 4 rows at a time (rows joining and leaving)."""
     from selfspec.batching import BatchEngine
 
-    model = bf16_model(5, arch)
+    model = bf16_model(seed, arch)
     prompts = [prompt_for(40 + i, n, VOCAB) for i, n in enumerate((7, 23, 40, 12, 30, 50, 9, 3))]
     cfg = DecodeConfig(max_new_tokens=NEW, max_depth=6, max_nodes=32)
     plain = [SpeculativeEngine(model, None, backend="static").generate(p, cfg).tokens for p in prompts]
-    d = None if drafter == "none" else drafters(drafter, model, [], 5)
+    d = None if drafter == "none" else drafters(drafter, model, [], seed)
     batch = BatchEngine(model, d, max_batch=4, context=256, exact=exact_pass)
     assert batch.target.exact == exact_pass
     return plain, [r.tokens for r in batch.generate_batch(prompts, cfg)]
@@ -193,11 +193,11 @@ def batch_outputs(arch: str, drafter: str, exact_pass: bool) -> tuple[list[list[
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_each_row_of_a_batch_equals_plain_bit_for_bit_in_bf16(arch: str, drafter: str) -> None:
     """Requests decoded together each get the tokens plain bf16 decoding gives them alone, whoever shares the batch."""
-    plain, batched = batch_outputs(arch, drafter, True)
-    assert batched == plain
+    for seed in (5, 6):
+        plain, batched = batch_outputs(arch, drafter, True, seed)
+        assert batched == plain
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_without_the_exact_pass_a_batch_changes_some_rows_bf16_tokens(arch: str) -> None:
-    plain, batched = batch_outputs(arch, "none", False)
-    assert batched != plain
+    assert any(batched != plain for plain, batched in (batch_outputs(arch, "none", False, seed) for seed in (5, 6)))
