@@ -14,6 +14,9 @@ request's "smooth": false. --max-new-tokens is the default for requests that set
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 
 from selfspec.options import (add_decoding_options, add_drafter_options, add_model_options, decode_config,
                               load_target, positive_int)
@@ -50,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model and drafter, warm the engine up, serve until interrupted."""
+    preload_intel_openmp()
     from selfspec.batching import BatchEngine
     from selfspec.engine import DecodeConfig
     from selfspec.errors import SelfspecError
@@ -92,3 +96,18 @@ def max_batch(args: argparse.Namespace, model) -> int:
     context = args.max_context or min(context_length(model.config) or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
     row = kv_bytes_per_token(model.config, model_dtype(model)) * (context + 64)
     return max(1, min(DEFAULT_MAX_BATCH, free // 2 // row))
+
+
+def preload_intel_openmp() -> None:
+    """Start again with Intel OpenMP preloaded where the ``serve`` extra installed it (x86-64 Linux), as vLLM's CPU
+    backend does: the model's threads then share the cores with the HTTP server and its clients far better than
+    with torch's own GNU OpenMP (SmolLM2-135M, 2 cores, 2 threads, 4 clients: 76 -> 113 tokens/s). Intel's threads
+    spin 5 ms before sleeping (``KMP_BLOCKTIME``, as vLLM sets it) unless the environment says otherwise."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    preload = os.environ.get("LD_PRELOAD", "")
+    if not lib.is_file() or "libiomp5" in preload or os.environ.get("SELFSPEC_NO_IOMP"):
+        return
+    env = {**os.environ, "LD_PRELOAD": ":".join(filter(None, [str(lib), preload])), "SELFSPEC_NO_IOMP": "1"}
+    env.setdefault("KMP_BLOCKTIME", "5")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "selfspec_cli", *sys.argv[1:]], env)
