@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                          exact=args.exact, memory_bytes=free_memory(model.device))
     engine.check_config(decode_config(args))  # settings that cannot work: refused now, not on every request
     engine.generate_batch([tokenizer.encode("Hello")[:4] or [0]], DecodeConfig(max_new_tokens=4))  # first passes now
+    engine.calibrate()  # what passes of 1-64 tokens cost here: the draft budget's starting point
     config = ServerConfig(model_name=args.served_model_name or args.model, max_waiting=args.queue_size,
                           smooth=not args.no_smoothing, default_max_tokens=args.max_new_tokens,
                           decode=decode_config(args))

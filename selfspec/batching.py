@@ -33,7 +33,8 @@ from .context import context_length
 from .engine import GenerationResult, SpeculativeEngine
 from .errors import SelfspecError
 from .request import DecodeConfig, DecodeState, Request, sync_device
-from .static_pass import PREFILL_CHUNK, bucket_for
+from .static_pass import PREFILL_CHUNK
+from .tree import chain
 from .stats import GenerationStats
 
 DEFAULT_CONTEXT = 4096  # positions per request when the model allows as many (prompt + new tokens)
@@ -117,8 +118,7 @@ class BatchEngine:
                                         rows[0].need_hidden)
         sync_device(self.target.device)
         seconds = time.perf_counter() - t0
-        nodes = max(tree.size for tree in trees)
-        self.budget.record(len(rows), bucket_for(nodes, (1, *self.target.buckets)), seconds)
+        self.budget.record(self.target.last_tokens, seconds)
         self.last_rows, self.last_drafted = len(rows), sum(tree.size - 1 for tree in trees)
         out = []
         for row, tree, ver in zip(rows, trees, vers):
@@ -127,6 +127,28 @@ class BatchEngine:
                 row.observe(self.target)
         self._leave()
         return out
+
+    def calibrate(self, reps: int = 2) -> dict[int, float]:
+        """Time passes of 1, 2, 4, ... tokens (rows of one token each up to ``max_batch``, then one row's chain up
+        to the largest bucket) so that the budget starts from this machine's costs; seconds by tokens. Needs every
+        row free (call it before serving)."""
+        if self.busy:
+            raise SelfspecError("calibrate the batch engine before any request is added")
+        slots = [self.target.new_cache(2) for _ in range(self.max_batch)]
+        try:
+            shapes = [(n, 1) for n in (1, 2, 4, 8, 16, 32, 64) if n <= self.max_batch]
+            shapes += [(1, b) for b in self.target.buckets if b > 1]
+            for n, b in shapes:
+                for rep in range(reps + 1):  # the first of each shape warms up
+                    t0 = time.perf_counter()
+                    self.target.verify_batch([(slot, chain(0, [0] * (b - 1))) for slot in slots[:n]], ())
+                    sync_device(self.target.device)
+                    if rep:
+                        self.budget.record(self.target.last_tokens, time.perf_counter() - t0)
+        finally:
+            for slot in reversed(slots):
+                self.target.release(slot)
+        return dict(sorted(self.budget.cost.times.items()))
 
     def reset(self) -> None:
         """Drop every request (after a failed step: their state is not to be trusted) and free every row."""
@@ -143,8 +165,8 @@ class BatchEngine:
         ``adaptive=False`` always drafts its full depth)."""
         if len(rows) == 1:
             return [rows[0].draft()]
-        depth = self.budget.depth(rows)
-        cost = self.budget.node_cost(len(rows))
+        depth = self.budget.depth(rows, self.target.pass_tokens)
+        cost = self.budget.node_cost(len(rows), self.target.pass_tokens)
         return [row.draft(depth if row.cfg.adaptive else row.max_depth, cost) for row in rows]
 
     def _leave(self) -> None:

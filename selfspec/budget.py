@@ -6,13 +6,13 @@ draft token costs real time. ``Budget`` keeps the measured time of a pass by its
 per row) and picks, each step, the draft depth k with the most expected committed tokens per second over the
 whole batch:
 
-    goodput(k) = sum_r E_r(k) / (T(rows, nodes(k)) + sum_r draft_r * k)
+    goodput(k) = sum_r E_r(k) / (T(rows x nodes(k)) + sum_r draft_r * k)
 
 E_r(k) (1 + the drafts row r is expected to get accepted, from its own acceptance record, ``AdaptiveDepth``),
-T from this machine's passes, draft_r the row's measured drafting time per depth. k = 0 is plain batched
-decoding, with no drafter on the path at all; it wins once extra tokens cost more than they are expected to
-commit. Shapes not measured yet are guessed optimistically (``prior_slope`` per extra node over the nearest
-measured smaller one, never above a measured larger one), so they get tried once and measured.
+T the time of a pass over that many tokens on this machine (``PassCost``: one curve for every batch size, from
+a calibration at start and every pass since), draft_r the row's measured drafting time per depth. k = 0 is
+plain batched decoding, with no drafter on the path at all; it wins once extra tokens cost more than they are
+expected to commit.
 """
 
 from __future__ import annotations
@@ -26,27 +26,38 @@ def _ema(old: float | None, new: float, w: float = 0.3) -> float:
 
 @dataclass
 class PassCost:
-    """Seconds a batched pass takes by (rows, nodes per row), as measured here (running averages)."""
+    """Seconds a target pass takes by the tokens it runs (rows x nodes per row, padding included), as measured here
+    (running averages): the linears' work grows with the tokens whichever row they belong to, so one curve serves
+    every batch size. Between two measured sizes a pass costs what the line between them says; past the largest,
+    the slope of the last two (a pass never costs less for more tokens); with one size measured, ``prior_slope``
+    of it per extra token relative to its own tokens (optimistic: an unmeasured size gets tried once, then known)."""
 
-    prior_slope: float = 0.08  # a guess for an unmeasured shape: this fraction of a plain pass per extra node
-    times: dict[tuple[int, int], float] = field(default_factory=dict)
+    prior_slope: float = 0.08
+    times: dict[int, float] = field(default_factory=dict)
 
-    def record(self, rows: int, nodes: int, seconds: float) -> None:
-        """A pass over ``rows`` rows padded to ``nodes`` nodes each took ``seconds``."""
-        self.times[rows, nodes] = _ema(self.times.get((rows, nodes)), seconds)
+    def record(self, tokens: int, seconds: float) -> None:
+        """A pass over ``tokens`` tokens took ``seconds``."""
+        self.times[tokens] = _ema(self.times.get(tokens), seconds)
 
-    def seconds(self, rows: int, nodes: int) -> float | None:
-        """Measured or guessed time of a (rows, nodes) pass; None until a plain pass of ``rows`` was measured."""
-        if (rows, nodes) in self.times:
-            return self.times[rows, nodes]
-        plain = self.times.get((rows, 1))
-        if plain is None:
-            return None
-        sizes = [n for r, n in self.times if r == rows]
-        below = max(n for n in sizes if n <= nodes)
-        guess = self.times[rows, below] + self.prior_slope * plain * (nodes - below)
-        above = [self.times[rows, n] for n in sizes if n > nodes]
-        return min([guess, *above])
+    def seconds(self, tokens: int) -> float | None:
+        """Measured or estimated time of a pass over ``tokens`` tokens; None before any pass was measured."""
+        if tokens in self.times or not self.times:
+            return self.times.get(tokens)
+        sizes = sorted(self.times)
+        below = [n for n in sizes if n < tokens]
+        above = [n for n in sizes if n > tokens]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            return self.times[lo] + (self.times[hi] - self.times[lo]) * (tokens - lo) / (hi - lo)
+        if above:
+            return self.times[above[0]] * tokens / above[0] if len(above) == 1 else \
+                self.times[above[0]] - self._slope(above[0], above[1]) * (above[0] - tokens)
+        top = below[-1]
+        slope = self._slope(below[-2], top) if len(below) > 1 else self.prior_slope * self.times[top] / top
+        return self.times[top] + slope * (tokens - top)
+
+    def _slope(self, a: int, b: int) -> float:
+        return max(self.times[b] - self.times[a], 0.0) / (b - a)
 
 
 @dataclass
@@ -60,37 +71,38 @@ class Budget:
         """The node bucket a tree of ``nodes`` nodes runs at."""
         return next((b for b in (1, *self.buckets) if b >= nodes), self.buckets[-1])
 
-    def depth(self, rows: list) -> int:
-        """The draft depth with the best expected goodput for ``rows`` (``Request``s); 0: a plain batched step."""
+    def depth(self, rows: list, tokens=lambda rows, nodes: rows * nodes) -> int:
+        """The draft depth with the best expected goodput for ``rows`` (``Request``s); 0: a plain batched step.
+        ``tokens(rows, nodes)``: what a pass over that many rows, each padded to ``nodes``, really runs."""
         n = len(rows)
-        plain = self.cost.seconds(n, 1)
+        plain = self.cost.seconds(tokens(n, 1))
         deepest = max(row.max_depth for row in rows)
         if plain is None or deepest == 0 or rows[0].drafter is None:
-            return 0  # measure a plain pass of this many rows first
+            return 0  # measure a plain pass first
         ctrls = [_controller(row) for row in rows]
         gains = [_cumulative(c.alphas(row.max_depth)) for c, row in zip(ctrls, rows)]  # [k]: tokens at depth k
         best_k, best = 0, n / plain
         for k in range(1, deepest + 1):
             depths = [min(k, row.max_depth) for row in rows]
             nodes = max(c.expected_nodes(d) for c, d in zip(ctrls, depths))
-            seconds = self.cost.seconds(n, self.bucket(nodes))
+            seconds = self.cost.seconds(tokens(n, self.bucket(nodes)))
             drafting = sum((c.draft_per_depth or 0.0) * d for c, d in zip(ctrls, depths))
-            tokens = sum(g[d] for g, d in zip(gains, depths))
-            if tokens / (seconds + drafting) > best:
-                best_k, best = k, tokens / (seconds + drafting)
+            rate = sum(g[d] for g, d in zip(gains, depths)) / (seconds + drafting)
+            if rate > best:
+                best_k, best = k, rate
         return best_k
 
-    def node_cost(self, rows: int):
+    def node_cost(self, rows: int, tokens=lambda rows, nodes: rows * nodes):
         """What a row's n-node tree costs in a pass of ``rows`` rows, in plain passes (for drafters that size trees)."""
         def ratio(nodes: float) -> float:
-            plain = self.cost.seconds(rows, 1)
-            seconds = self.cost.seconds(rows, self.bucket(nodes))
+            plain = self.cost.seconds(tokens(rows, 1))
+            seconds = self.cost.seconds(tokens(rows, self.bucket(nodes)))
             return 1.0 if not plain or seconds is None else seconds / plain
         return ratio
 
-    def record(self, rows: int, nodes: int, seconds: float) -> None:
-        """A pass over ``rows`` rows whose largest tree held ``nodes`` nodes took ``seconds``."""
-        self.cost.record(rows, self.bucket(nodes), seconds)
+    def record(self, tokens: int, seconds: float) -> None:
+        """A pass over ``tokens`` tokens (padding included) took ``seconds``."""
+        self.cost.record(tokens, seconds)
 
 
 def _cumulative(alphas: list[float]) -> list[float]:

@@ -189,14 +189,35 @@ class Row:
 def test_the_budget_drafts_only_where_the_measured_cost_pays() -> None:
     torch.manual_seed(0)
     rows = [Row(0.7) for _ in range(8)]
-    flat = Budget((1, 2, 4, 8, 16), PassCost(times={(8, n): 1.0 + 0.01 * n for n in (1, 2, 4, 8, 16)}))
-    assert flat.depth(rows) >= 4  # extra nodes almost free: draft deep
-    linear = Budget((1, 2, 4, 8, 16), PassCost(times={(8, n): float(n) for n in (1, 2, 4, 8, 16)}))
-    assert linear.depth(rows) == 0  # every node costs a whole pass: plain batched decoding
+    flat = Budget((1, 2, 4, 8, 16), PassCost(times={n: 1.0 + 0.001 * n for n in (8, 16, 32, 64, 128)}))
+    assert flat.depth(rows) >= 4  # extra tokens almost free: draft deep
+    linear = Budget((1, 2, 4, 8, 16), PassCost(times={n: n / 8 for n in (8, 16, 32, 64, 128)}))
+    assert linear.depth(rows) == 0  # every token costs its share of a pass: plain batched decoding
+    assert linear.depth(rows[:1]) == 0 and flat.depth(rows[:1]) > 0  # the same curve judges a batch of one
     unmeasured = Budget((1, 2, 4, 8, 16))
-    assert unmeasured.depth(rows) == 0  # a plain pass of this batch size first
-    unmeasured.record(8, 1, 1.0)
-    assert unmeasured.depth(rows) > 0  # then larger shapes are guessed cheap, tried, and measured
+    assert unmeasured.depth(rows) == 0  # nothing measured: a plain pass first
+    unmeasured.record(8, 1.0)
+    assert unmeasured.depth(rows) > 0  # then larger passes are guessed cheap, tried, and measured
+    unmeasured.record(16, 2.0)
+    assert unmeasured.depth(rows) == 0  # measured: twice the tokens cost twice the time
+
+
+def test_pass_cost_interpolates_and_extrapolates_the_measured_curve() -> None:
+    cost = PassCost(times={4: 1.0, 8: 1.2, 16: 2.0})
+    assert cost.seconds(8) == 1.2 and cost.seconds(12) == pytest.approx(1.6)
+    assert cost.seconds(32) == pytest.approx(2.0 + 16 * 0.1)  # the slope of the last two sizes
+    assert cost.seconds(2) == pytest.approx(1.0 - 2 * 0.05)
+    assert PassCost().seconds(4) is None
+
+
+def test_calibration_measures_every_pass_size_the_budget_needs() -> None:
+    batch = BatchEngine(tiny_model(2, vocab=VOCAB), PromptLookupDrafter(), max_batch=4, context=512)
+    times = batch.calibrate(reps=1)
+    assert set(times) >= {2, 4, 8, 16, 32, 64} and all(t > 0 for t in times.values())
+    assert batch.target.free == 4  # every row given back
+    reqs = requests(1)[:2]
+    assert [r.tokens for r in batch.generate_batch([p for p, _ in reqs], reqs[0][1])] == \
+        [solo(batch.model, batch.drafter, p, reqs[0][1]) for p, _ in reqs]
 
 
 def test_requests_that_cannot_fit_are_refused_in_one_line() -> None:
