@@ -97,7 +97,7 @@ class BatchPass(StaticPass):
                                 "lower --max-batch or --max-context")
         self.cache = RowCache(model.config, rows, self.max_len, self.dtype, self.device)
         self.claimed: list[Slot] = []  # claimed[r] holds row r
-        self.last_tokens = 0  # tokens the last verify_batch ran (rows x bucket, padding included)
+        self.last_shape = (0, 0)  # (rows, nodes per row) the last verify_batch ran, padding included
 
     # --- rows ------------------------------------------------------------------------------------------------
 
@@ -172,19 +172,19 @@ class BatchPass(StaticPass):
             b = max(b, -(-self.support.least // n_rows))
         part = max(1, self.buckets[-1] // b) if self.exact else n_rows
         out: dict[int, Verification] = {}
-        self.last_tokens = 0
         for lo in range(0, n_rows, part):
             if any(lo <= r < lo + part for r in by_row):
                 out.update(self._pass(by_row, lo, min(lo + part, n_rows), b, layers))
-                self.last_tokens += (min(lo + part, n_rows) - lo) * b
+        self.last_shape = (n_rows, b)
         return [out[slot.row] for slot, _ in items]
 
-    def pass_tokens(self, rows: int, nodes: int) -> int:
-        """Tokens a pass over the first ``rows`` rows, trees padded to ``nodes`` nodes, runs (padding included)."""
+    def pass_shape(self, rows: int, nodes: int) -> tuple[int, int]:
+        """(rows, nodes per row) a pass over the first ``rows`` rows, trees of ``nodes`` nodes, runs (with padding)."""
+        nodes = bucket_for(nodes, (1, *self.buckets))
         if not self.exact:
-            return rows * nodes
+            return rows, nodes
         rows = next_pow2(rows)
-        return rows * max(nodes, -(-self.support.least // rows))
+        return rows, max(nodes, -(-self.support.least // rows))
 
     def _pass(self, by_row: dict[int, tuple[Slot, DraftTree]], lo: int, hi: int, b: int, layers: tuple[int, ...]
               ) -> dict[int, Verification]:

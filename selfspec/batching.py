@@ -118,7 +118,7 @@ class BatchEngine:
                                         rows[0].need_hidden)
         sync_device(self.target.device)
         seconds = time.perf_counter() - t0
-        self.budget.record(self.target.last_tokens, seconds)
+        self.budget.record(*self.target.last_shape, seconds)
         self.last_rows, self.last_drafted = len(rows), sum(tree.size - 1 for tree in trees)
         out = []
         for row, tree, ver in zip(rows, trees, vers):
@@ -144,11 +144,11 @@ class BatchEngine:
                     self.target.verify_batch([(slot, chain(0, [0] * (b - 1))) for slot in slots[:n]], ())
                     sync_device(self.target.device)
                     if rep:
-                        self.budget.record(self.target.last_tokens, time.perf_counter() - t0)
+                        self.budget.record(*self.target.last_shape, time.perf_counter() - t0)
         finally:
             for slot in reversed(slots):
                 self.target.release(slot)
-        return dict(sorted(self.budget.cost.times.items()))
+        return dict(sorted(self.budget.cost.curve.items()))
 
     def reset(self) -> None:
         """Drop every request (after a failed step: their state is not to be trusted) and free every row."""
@@ -165,8 +165,8 @@ class BatchEngine:
         ``adaptive=False`` always drafts its full depth)."""
         if len(rows) == 1:
             return [rows[0].draft()]
-        depth = self.budget.depth(rows, self.target.pass_tokens)
-        cost = self.budget.node_cost(len(rows), self.target.pass_tokens)
+        depth = self.budget.depth(rows, self.target.pass_shape)
+        cost = self.budget.node_cost(len(rows), self.target.pass_shape)
         return [row.draft(depth if row.cfg.adaptive else row.max_depth, cost) for row in rows]
 
     def _leave(self) -> None:

@@ -9,8 +9,9 @@ whole batch:
     goodput(k) = sum_r E_r(k) / (T(rows x nodes(k)) + sum_r draft_r * k)
 
 E_r(k) (1 + the drafts row r is expected to get accepted, from its own acceptance record, ``AdaptiveDepth``),
-T the time of a pass over that many tokens on this machine (``PassCost``: one curve for every batch size, from
-a calibration at start and every pass since), draft_r the row's measured drafting time per depth. k = 0 is
+T the time of such a pass on this machine (``PassCost``: measured by shape, unmeasured shapes estimated from the
+batch size's own plain pass and the cost of extra tokens on a curve of time by tokens, from a calibration at start
+and every pass since), draft_r the row's measured drafting time per depth. k = 0 is
 plain batched decoding, with no drafter on the path at all; it wins once extra tokens cost more than they are
 expected to commit.
 """
@@ -26,38 +27,49 @@ def _ema(old: float | None, new: float, w: float = 0.3) -> float:
 
 @dataclass
 class PassCost:
-    """Seconds a target pass takes by the tokens it runs (rows x nodes per row, padding included), as measured here
-    (running averages): the linears' work grows with the tokens whichever row they belong to, so one curve serves
-    every batch size. Between two measured sizes a pass costs what the line between them says; past the largest,
-    the slope of the last two (a pass never costs less for more tokens); with one size measured, ``prior_slope``
-    of it per extra token relative to its own tokens (optimistic: an unmeasured size gets tried once, then known)."""
+    """Seconds a target pass takes by its shape (rows, nodes per row, padding included), as measured here (running
+    averages). A shape not measured yet costs its rows' plain pass plus what its extra tokens cost on the curve of
+    time by tokens (``curve``: every pass, of any shape, and the start-up calibration), so the marginal cost of
+    tokens learnt at one batch size serves the others, while each batch size keeps its own per-row overheads."""
 
-    prior_slope: float = 0.08
-    times: dict[int, float] = field(default_factory=dict)
+    prior_slope: float = 0.08  # with a single size on the curve: this much of it per extra token, over its tokens
+    times: dict[tuple[int, int], float] = field(default_factory=dict)
+    curve: dict[int, float] = field(default_factory=dict)
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """A pass over ``tokens`` tokens took ``seconds``."""
-        self.times[tokens] = _ema(self.times.get(tokens), seconds)
+    def record(self, rows: int, nodes: int, seconds: float) -> None:
+        """A pass over ``rows`` rows of ``nodes`` nodes each took ``seconds``."""
+        self.times[rows, nodes] = _ema(self.times.get((rows, nodes)), seconds)
+        self.curve[rows * nodes] = _ema(self.curve.get(rows * nodes), seconds)
 
-    def seconds(self, tokens: int) -> float | None:
-        """Measured or estimated time of a pass over ``tokens`` tokens; None before any pass was measured."""
-        if tokens in self.times or not self.times:
-            return self.times.get(tokens)
-        sizes = sorted(self.times)
+    def seconds(self, rows: int, nodes: int) -> float | None:
+        """Measured or estimated time of a (rows, nodes) pass; None before any pass was measured."""
+        if (rows, nodes) in self.times:
+            return self.times[rows, nodes]
+        base = self.times.get((rows, 1))
+        if base is None:
+            return self.along(rows * nodes)
+        extra = self.along(rows * nodes) - self.along(rows)
+        return base + max(extra, 0.0)
+
+    def along(self, tokens: int) -> float | None:
+        """The curve at ``tokens``: between two measured sizes the line between them; past the largest the slope of
+        the last two (never negative); below the smallest, proportionally."""
+        if tokens in self.curve or not self.curve:
+            return self.curve.get(tokens)
+        sizes = sorted(self.curve)
         below = [n for n in sizes if n < tokens]
         above = [n for n in sizes if n > tokens]
         if below and above:
             lo, hi = below[-1], above[0]
-            return self.times[lo] + (self.times[hi] - self.times[lo]) * (tokens - lo) / (hi - lo)
+            return self.curve[lo] + (self.curve[hi] - self.curve[lo]) * (tokens - lo) / (hi - lo)
         if above:
-            return self.times[above[0]] * tokens / above[0] if len(above) == 1 else \
-                self.times[above[0]] - self._slope(above[0], above[1]) * (above[0] - tokens)
+            return self.curve[above[0]] * tokens / above[0]
         top = below[-1]
-        slope = self._slope(below[-2], top) if len(below) > 1 else self.prior_slope * self.times[top] / top
-        return self.times[top] + slope * (tokens - top)
+        slope = self._slope(below[-2], top) if len(below) > 1 else self.prior_slope * self.curve[top] / top
+        return self.curve[top] + slope * (tokens - top)
 
     def _slope(self, a: int, b: int) -> float:
-        return max(self.times[b] - self.times[a], 0.0) / (b - a)
+        return max(self.curve[b] - self.curve[a], 0.0) / (b - a)
 
 
 @dataclass
@@ -71,11 +83,11 @@ class Budget:
         """The node bucket a tree of ``nodes`` nodes runs at."""
         return next((b for b in (1, *self.buckets) if b >= nodes), self.buckets[-1])
 
-    def depth(self, rows: list, tokens=lambda rows, nodes: rows * nodes) -> int:
+    def depth(self, rows: list, shape=lambda rows, nodes: (rows, nodes)) -> int:
         """The draft depth with the best expected goodput for ``rows`` (``Request``s); 0: a plain batched step.
-        ``tokens(rows, nodes)``: what a pass over that many rows, each padded to ``nodes``, really runs."""
+        ``shape(rows, nodes)``: the (rows, nodes) a pass over that many rows, trees of ``nodes``, really runs."""
         n = len(rows)
-        plain = self.cost.seconds(tokens(n, 1))
+        plain = self.cost.seconds(*shape(n, 1))
         deepest = max(row.max_depth for row in rows)
         if plain is None or deepest == 0 or rows[0].drafter is None:
             return 0  # measure a plain pass first
@@ -85,24 +97,24 @@ class Budget:
         for k in range(1, deepest + 1):
             depths = [min(k, row.max_depth) for row in rows]
             nodes = max(c.expected_nodes(d) for c, d in zip(ctrls, depths))
-            seconds = self.cost.seconds(tokens(n, self.bucket(nodes)))
+            seconds = self.cost.seconds(*shape(n, self.bucket(nodes)))
             drafting = sum((c.draft_per_depth or 0.0) * d for c, d in zip(ctrls, depths))
             rate = sum(g[d] for g, d in zip(gains, depths)) / (seconds + drafting)
             if rate > best:
                 best_k, best = k, rate
         return best_k
 
-    def node_cost(self, rows: int, tokens=lambda rows, nodes: rows * nodes):
+    def node_cost(self, rows: int, shape=lambda rows, nodes: (rows, nodes)):
         """What a row's n-node tree costs in a pass of ``rows`` rows, in plain passes (for drafters that size trees)."""
         def ratio(nodes: float) -> float:
-            plain = self.cost.seconds(tokens(rows, 1))
-            seconds = self.cost.seconds(tokens(rows, self.bucket(nodes)))
+            plain = self.cost.seconds(*shape(rows, 1))
+            seconds = self.cost.seconds(*shape(rows, self.bucket(nodes)))
             return 1.0 if not plain or seconds is None else seconds / plain
         return ratio
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """A pass over ``tokens`` tokens (padding included) took ``seconds``."""
-        self.cost.record(tokens, seconds)
+    def record(self, rows: int, nodes: int, seconds: float) -> None:
+        """A pass over ``rows`` rows of ``nodes`` nodes each (padding included) took ``seconds``."""
+        self.cost.record(rows, nodes, seconds)
 
 
 def _cumulative(alphas: list[float]) -> list[float]:

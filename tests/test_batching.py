@@ -189,25 +189,31 @@ class Row:
 def test_the_budget_drafts_only_where_the_measured_cost_pays() -> None:
     torch.manual_seed(0)
     rows = [Row(0.7) for _ in range(8)]
-    flat = Budget((1, 2, 4, 8, 16), PassCost(times={n: 1.0 + 0.001 * n for n in (8, 16, 32, 64, 128)}))
-    assert flat.depth(rows) >= 4  # extra tokens almost free: draft deep
-    linear = Budget((1, 2, 4, 8, 16), PassCost(times={n: n / 8 for n in (8, 16, 32, 64, 128)}))
-    assert linear.depth(rows) == 0  # every token costs its share of a pass: plain batched decoding
-    assert linear.depth(rows[:1]) == 0 and flat.depth(rows[:1]) > 0  # the same curve judges a batch of one
+    flat = Budget((1, 2, 4, 8, 16), PassCost(times={(8, n): 1.0 + 0.001 * n for n in (1, 2, 4, 8, 16)}))
+    assert flat.depth(rows) >= 4  # extra nodes almost free: draft deep
+    linear = Budget((1, 2, 4, 8, 16), PassCost(times={(8, n): float(n) for n in (1, 2, 4, 8, 16)}))
+    assert linear.depth(rows) == 0  # every node costs a whole pass: plain batched decoding
     unmeasured = Budget((1, 2, 4, 8, 16))
     assert unmeasured.depth(rows) == 0  # nothing measured: a plain pass first
-    unmeasured.record(8, 1.0)
+    unmeasured.record(8, 1, 1.0)
     assert unmeasured.depth(rows) > 0  # then larger passes are guessed cheap, tried, and measured
-    unmeasured.record(16, 2.0)
-    assert unmeasured.depth(rows) == 0  # measured: twice the tokens cost twice the time
+    unmeasured.record(8, 2, 2.0)
+    unmeasured.record(1, 32, 4.0)
+    assert unmeasured.depth(rows) == 0  # measured: extra tokens cost as much as the pass itself
+    compute_bound = Budget((1, 2, 4, 8, 16), PassCost(curve={1: 1.0, 8: 1.1, 16: 2.2, 32: 4.4, 64: 8.8}))
+    assert compute_bound.depth(rows[:1]) > 0  # alone: extra tokens nearly free (1 -> 8 tokens: +10%)
+    compute_bound.record(8, 1, 1.1)
+    assert compute_bound.depth(rows) == 0  # 8 rows: the same curve says every extra token costs its share
 
 
-def test_pass_cost_interpolates_and_extrapolates_the_measured_curve() -> None:
-    cost = PassCost(times={4: 1.0, 8: 1.2, 16: 2.0})
-    assert cost.seconds(8) == 1.2 and cost.seconds(12) == pytest.approx(1.6)
-    assert cost.seconds(32) == pytest.approx(2.0 + 16 * 0.1)  # the slope of the last two sizes
-    assert cost.seconds(2) == pytest.approx(1.0 - 2 * 0.05)
-    assert PassCost().seconds(4) is None
+def test_pass_cost_estimates_a_shape_from_its_plain_pass_and_the_token_curve() -> None:
+    cost = PassCost(times={(4, 1): 1.5}, curve={4: 1.0, 8: 1.2, 16: 2.0})
+    assert cost.seconds(4, 1) == 1.5
+    assert cost.seconds(4, 2) == pytest.approx(1.5 + 0.2)  # 4 rows' own plain pass + 4 -> 8 tokens on the curve
+    assert cost.seconds(4, 3) == pytest.approx(1.5 + 0.6)  # 12 tokens: between 8 and 16
+    assert cost.along(32) == pytest.approx(2.0 + 16 * 0.1)  # past the largest: the slope of the last two
+    assert cost.seconds(2, 1) == pytest.approx(0.5)  # no plain pass of 2 rows: the curve, below its smallest size
+    assert PassCost().seconds(4, 1) is None
 
 
 def test_calibration_measures_every_pass_size_the_budget_needs() -> None:
