@@ -91,7 +91,7 @@ class Budget:
         deepest = max(row.max_depth for row in rows)
         if plain is None or deepest == 0 or rows[0].drafter is None:
             return 0  # measure a plain pass first
-        ctrls = [_controller(row) for row in rows]
+        ctrls = [row.record for row in rows]  # each request's acceptance, whichever of its sources drafted
         gains = [_cumulative(c.alphas(row.max_depth)) for c, row in zip(ctrls, rows)]  # [k]: tokens at depth k
         best_k, best = 0, n / plain
         for k in range(1, deepest + 1):
@@ -124,10 +124,3 @@ def _cumulative(alphas: list[float]) -> list[float]:
         run *= a
         out.append(out[-1] + run)
     return out
-
-
-def _controller(row):
-    """The row's acceptance record: the controller of the source with the most expected tokens (a row whose
-    drafter has not drafted yet starts from the prior)."""
-    ctrls = list(row.policy.sources.values()) or [row.policy.controller(row.drafter.name)]
-    return max(ctrls, key=lambda c: c.expected_tokens(max(c.max_depth, 1)))

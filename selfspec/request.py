@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .adaptive import DepthPolicy, VerifyCost
+from .adaptive import AdaptiveDepth, DepthPolicy, VerifyCost
 from .context import check_fits
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .dtypes import dtype_name
@@ -159,6 +159,7 @@ class Request:
         self.need_hidden = drafter.state_layers if drafter is not None and drafter.needs_hidden_states else ()
         self.policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive,
                                   cost=VerifyCost(buckets=getattr(engine.target, "buckets", None)))
+        self.record = AdaptiveDepth(self.policy.max_depth)  # acceptance and drafting time over every source
         self.eos = eos_ids(engine.model, cfg)
         self.stops = StopTokens(engine.tokenizer, cfg.stop_strings)
         self.generated: list[int] = []
@@ -228,6 +229,7 @@ class Request:
             self.policy.record_plain(verify_s)
         else:
             self.policy.record_speculative(tree.source, tree.max_depth, tree.size, len(path), self._draft_s, verify_s)
+            self.record.record_speculative(tree.max_depth, tree.size, len(path), self._draft_s, verify_s)
         self.generated += new
         self._last = (path, ver)
         return new

@@ -176,14 +176,13 @@ class Row:
     """A stand-in request for the budget: its drafter, depth limit and acceptance record."""
 
     def __init__(self, alpha: float) -> None:
-        from selfspec.adaptive import DepthPolicy
+        from selfspec.adaptive import AdaptiveDepth
 
         self.drafter, self.max_depth = PromptLookupDrafter(), 8
-        self.policy = DepthPolicy(8)
-        ctrl = self.policy.controller("prompt-lookup")
+        self.record = AdaptiveDepth(8)
         for _ in range(40):  # accepted to depth 8 with probability alpha per depth
-            accepted = sum(1 for _ in range(8) if torch.rand(1).item() < alpha)
-            ctrl.record_speculative(8, 9, accepted, 0.0, 1.0)
+            accepted = next((d for d in range(8) if torch.rand(1).item() >= alpha), 8)  # the path stops at a miss
+            self.record.record_speculative(8, 9, accepted, 0.0, 1.0)
 
 
 def test_the_budget_drafts_only_where_the_measured_cost_pays() -> None:
