@@ -77,6 +77,7 @@ class ExactPlan:
     """How every (non-padding) row of a pass attends; passed to the attention as ``selfspec_exact``."""
 
     groups: list[RowGroup]
+    prepared: dict = field(default_factory=dict, repr=False, compare=False)  # its calls, built at the first layer
 
 
 @dataclass
@@ -87,6 +88,7 @@ class BatchPlan:
 
     plans: list[ExactPlan | None]
     stacked: bool = True
+    prepared: dict = field(default_factory=dict, repr=False, compare=False)  # its calls, built at the first layer
 
 
 def ancestor_path(parents: list[int], node: int) -> list[int]:
@@ -135,64 +137,98 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """Attention of ``query`` (B, heads, q, d) over the cache ``key``/``value`` (B, kv_heads, slots, d), batch entry
     i by ``plan.plans[i]`` (an ``ExactPlan`` alone: a batch of one); returns (B, q, heads, d), zeros in the rows the
     plans leave out (padding). Groups of equal shape in different entries share one call where ``plan.stacked``."""
-    plans, stacked = (plan.plans, plan.stacked) if isinstance(plan, BatchPlan) else ([plan], False)
     b, heads, q, d = query.shape
     rows = query.transpose(1, 2)  # (B, q, heads, d)
     out = query.new_zeros(b, q, heads, d)
-    calls: dict[tuple, list[tuple[int, RowGroup]]] = {}
-    for entry, p in enumerate(plans):
-        for g in p.groups if p is not None else ():
-            shape = (g.width, g.keys is None, g.rows.numel() if g.keys is None else 0)
-            calls.setdefault(shape if stacked else (entry, id(g)), []).append((entry, g))
-    for members in calls.values():
-        (_attend_in_place if members[0][1].keys is None else _attend_gathered)(members, rows, key, value, out, scale)
+    for call in _calls(plan, b, heads, key.shape[1], d):
+        (_attend_in_place if call.in_place else _attend_gathered)(call, rows, key, value, out, scale)
     return out
 
 
-def _attend_in_place(members: list[tuple[int, RowGroup]], rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     out: torch.Tensor, scale: float | None) -> None:
+@dataclass
+class _Call:
+    """One attention call of a pass, prepared once for all its layers."""
+
+    members: list[tuple[int, RowGroup]]  # (batch entry, its group)
+    width: int
+    in_place: bool  # the members read their entry's cache in place (else each row's keys are gathered)
+    mask: torch.Tensor  # in place: (entries, 1, query rows, width); gathered: (rows, 1, 1, width)
+    at: torch.Tensor | None = None  # in place: (entries, 1) batch entries
+    which: torch.Tensor | None = None  # in place: (entries, m) each entry's rows
+    every: bool = False  # in place: every batch entry, in order (the cache itself, no copy)
+    n: int = 0  # in place: query rows per K/V head (the entries' blocks stacked, then zeros)
+
+
+def _calls(plan: ExactPlan | BatchPlan, b: int, heads: int, kv: int, d: int) -> list[_Call]:
+    """The calls of a pass by ``plan`` (its groups of equal shape in different entries together where it is
+    stacked), with their masks and indices built once and kept on the plan for every layer."""
+    key = (b, heads, kv, d)
+    if key in plan.prepared:
+        return plan.prepared[key]
+    plans, stacked = (plan.plans, plan.stacked) if isinstance(plan, BatchPlan) else ([plan], False)
+    group = heads // kv
+    by_shape: dict[tuple, list[tuple[int, RowGroup]]] = {}
+    for entry, p in enumerate(plans):
+        for g in p.groups if p is not None else ():
+            shape = (g.width, g.keys is None, g.rows.numel() if g.keys is None else 0)
+            by_shape.setdefault(shape if stacked else (entry, id(g)), []).append((entry, g))
+    calls = []
+    for members in by_shape.values():
+        width = members[0][1].width
+        if members[0][1].keys is not None:
+            calls.append(_Call(members, width, False, torch.cat([g.mask for _, g in members])))
+            continue
+        m = members[0][1].rows.numel()
+        n = query_rows(m * group, d)
+        mask = torch.stack([g.mask[:, 0, 0] for _, g in members]).repeat_interleave(group, 1)  # per query head
+        mask = torch.cat([mask, mask[:, -1:].expand(-1, n - m * group, -1)], 1)[:, None]
+        entries = [e for e, _ in members]
+        at = torch.tensor(entries, device=mask.device)[:, None]
+        calls.append(_Call(members, width, True, mask, at, torch.stack([g.rows for _, g in members]),
+                           entries == list(range(b)), n))
+    plan.prepared[key] = calls
+    return calls
+
+
+def _attend_in_place(call: _Call, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                     scale: float | None) -> None:
     """One call for groups (one per batch entry) of ``m`` rows each that read their entry's cache in place over the
     same width: each entry's query blocks stacked and padded once, over the entry's own K."""
     heads, d = rows.shape[2:]
-    kv, width, m = key.shape[1], members[0][1].width, members[0][1].rows.numel()
-    group, e = heads // kv, len(members)
-    n = query_rows(m * group, d)
-    entries = [i for i, _ in members]
-    at = torch.tensor(entries, device=rows.device)[:, None]
-    which = torch.stack([g.rows for _, g in members])  # (e, m): each entry's rows
-    q1 = rows.new_zeros(e, kv, n, d)
-    q1[:, :, :m * group] = rows[at, which].view(e, m, kv, group, d).transpose(1, 2).reshape(e, kv, m * group, d)
-    mask = torch.stack([g.mask[:, 0, 0] for _, g in members]).repeat_interleave(group, 1)  # per query head
-    mask = torch.cat([mask, mask[:, -1:].expand(-1, n - m * group, -1)], 1)
-    if entries == list(range(key.shape[0])):  # every entry: the cache itself, not a copy
-        k, v = key[:, :, :width], value[:, :, :width]
+    kv, (e, m) = key.shape[1], call.which.shape
+    group = heads // kv
+    q1 = rows.new_zeros(e, kv, call.n, d)
+    q1[:, :, :m * group] = rows[call.at, call.which].view(e, m, kv, group, d).transpose(1, 2).reshape(
+        e, kv, m * group, d)
+    if call.every:  # every entry: the cache itself, not a copy
+        k, v = key[:, :, :call.width], value[:, :, :call.width]
     else:
-        k, v = key[:, :, :width].index_select(0, at[:, 0]), value[:, :, :width].index_select(0, at[:, 0])
-    o = scaled_dot_product_attention(q1, k, v, attn_mask=mask[:, None], scale=scale)
-    out[at, which] = o[:, :, :m * group].view(e, kv, m, group, d).transpose(1, 2).reshape(e, m, heads, d)
+        k, v = key[:, :, :call.width].index_select(0, call.at[:, 0]), value[:, :, :call.width].index_select(
+            0, call.at[:, 0])
+    o = scaled_dot_product_attention(q1, k, v, attn_mask=call.mask, scale=scale)
+    out[call.at, call.which] = o[:, :, :m * group].view(e, kv, m, group, d).transpose(1, 2).reshape(e, m, heads, d)
 
 
-def _attend_gathered(members: list[tuple[int, RowGroup]], rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     out: torch.Tensor, scale: float | None) -> None:
+def _attend_gathered(call: _Call, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                     scale: float | None) -> None:
     """One call for rows with keys of their own (a branching tree's), over the same width: each row one batch entry,
     its keys gathered from its entry's cache."""
     heads, d = rows.shape[2:]
-    kv, width = key.shape[1], members[0][1].width
+    kv, width = key.shape[1], call.width
     group = heads // kv
-    qs, ks, vs, masks = [], [], [], []
-    for e, g in members:
+    qs, ks, vs = [], [], []
+    for e, g in call.members:
         m = g.rows.numel()
         q1 = rows.new_zeros(m, kv, query_rows(group, d), d)
         q1[:, :, :group] = rows[e].index_select(0, g.rows).view(m, kv, group, d)
         qs.append(q1)
         ks.append(key[e].index_select(1, g.keys).view(kv, m, width, d).transpose(0, 1))  # (m, kv, width, d)
         vs.append(value[e].index_select(1, g.keys).view(kv, m, width, d).transpose(0, 1))
-        masks.append(g.mask)
-    one = len(members) == 1
+    one = len(call.members) == 1
     o = scaled_dot_product_attention(*(parts[0] if one else torch.cat(parts) for parts in (qs, ks, vs)),
-                                     attn_mask=masks[0] if one else torch.cat(masks), scale=scale)
+                                     attn_mask=call.mask, scale=scale)
     start = 0
-    for e, g in members:  # (m, kv, query rows, d) each
+    for e, g in call.members:  # (m, kv, query rows, d) each
         m = g.rows.numel()
         out[e].index_copy_(0, g.rows, o[start:start + m, :, :group].reshape(m, heads, d))
         start += m
