@@ -61,7 +61,11 @@ class BatchEngine:
 
     def __init__(self, model: torch.nn.Module, drafter=None, tokenizer=None, max_batch: int = 8,
                  context: int | None = None, exact: bool = True, memory_bytes: int | None = None) -> None:
-        context = context or min(context_length(model.config) or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        limit = context_length(model.config)
+        if context and limit and context > limit:
+            raise SelfspecError(f"a context of {context:,} positions per request (--max-context) exceeds the "
+                                f"{limit:,} the model reads (max_position_embeddings)")
+        context = context or min(limit or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
         self.target = BatchPass(model, max_batch, context, exact=exact, memory_bytes=memory_bytes)
         self.engine = SpeculativeEngine(model, drafter, tokenizer, backend=self.target)
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer

@@ -232,3 +232,5 @@ def test_requests_that_cannot_fit_are_refused_in_one_line() -> None:
         batch.add(ids(0, 60), DecodeConfig(max_new_tokens=10))
     with pytest.raises(SelfspecError, match="lower --max-batch"):
         BatchPass(model, 64, 4096, memory_bytes=2**20)
+    with pytest.raises(SelfspecError, match="exceeds the 1,024 the model reads"):
+        BatchEngine(model, None, context=2048)
