@@ -85,17 +85,17 @@ def run(args: argparse.Namespace) -> int:
 
 def max_batch(args: argparse.Namespace, model) -> int:
     """--max-batch, or as many requests as fit half the free memory (at least 1, at most ``DEFAULT_MAX_BATCH``)."""
-    from selfspec.batching import DEFAULT_CONTEXT
-    from selfspec.context import context_length
+    from selfspec.batching import default_context
     from selfspec.memory import free_memory, kv_bytes_per_token, model_dtype
+    from selfspec.static_pass import BUCKETS
 
     if args.max_batch:
         return args.max_batch
     free = free_memory(model.device)
     if free is None:
         return DEFAULT_MAX_BATCH
-    context = args.max_context or min(context_length(model.config) or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
-    row = kv_bytes_per_token(model.config, model_dtype(model)) * (context + 64)
+    row = kv_bytes_per_token(model.config, model_dtype(model)) * ((args.max_context or default_context(model.config))
+                                                                 + BUCKETS[-1])
     return max(1, min(DEFAULT_MAX_BATCH, free // 2 // row))
 
 
@@ -106,7 +106,8 @@ def preload_intel_openmp() -> None:
     spin 5 ms before sleeping (``KMP_BLOCKTIME``, as vLLM sets it) unless the environment says otherwise."""
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     preload = os.environ.get("LD_PRELOAD", "")
-    if not lib.is_file() or "libiomp5" in preload or os.environ.get("SELFSPEC_NO_IOMP"):
+    started_as_serve = sys.argv[1:2] == ["serve"]  # not `main([...])` called inside another program
+    if not lib.is_file() or "libiomp5" in preload or os.environ.get("SELFSPEC_NO_IOMP") or not started_as_serve:
         return
     env = {**os.environ, "LD_PRELOAD": ":".join(filter(None, [str(lib), preload])), "SELFSPEC_NO_IOMP": "1"}
     env.setdefault("KMP_BLOCKTIME", "5")

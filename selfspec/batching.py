@@ -41,6 +41,11 @@ DEFAULT_CONTEXT = 4096  # positions per request when the model allows as many (p
 PREFILL_BUDGET = 2 * PREFILL_CHUNK  # prompt tokens cached per step at most (whole chunks): the others' stall
 
 
+def default_context(config) -> int:
+    """Positions per request when none is asked for: the model's own, at most ``DEFAULT_CONTEXT``."""
+    return min(context_length(config) or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+
+
 @dataclass
 class Joining:
     """A request with a row, its prompt cached chunk by chunk."""
@@ -65,7 +70,7 @@ class BatchEngine:
         if context and limit and context > limit:
             raise SelfspecError(f"a context of {context:,} positions per request (--max-context) exceeds the "
                                 f"{limit:,} the model reads (max_position_embeddings)")
-        context = context or min(limit or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        context = context or default_context(model.config)
         self.target = BatchPass(model, max_batch, context, exact=exact, memory_bytes=memory_bytes)
         self.engine = SpeculativeEngine(model, drafter, tokenizer, backend=self.target)
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
