@@ -116,7 +116,7 @@ def run_file(args: argparse.Namespace) -> int:
     drafter = build_drafter(args, model, tokenizer)
     context = max(len(ids) for _, ids in prompts) + args.max_new_tokens
     engine = BatchEngine(model, drafter, tokenizer, max_batch=args.max_batch, context=context, exact=args.exact)
-    results = engine.generate_batch([ids for _, ids in prompts], decode_config(args))
+    results = engine.generate_batch([ids for _, ids in prompts], decode_config(args), progress=len(prompts) > 1)
     for i, ((pid, _), res) in enumerate(zip(prompts, results)):
         print(json.dumps({"index": i, **({"id": pid} if pid is not None else {}), "text": res.text,
                           **summary(res.stats, drafter)}, ensure_ascii=False))

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from .batch_pass import BatchPass
 from .budget import Budget
@@ -34,8 +35,8 @@ from .engine import GenerationResult, SpeculativeEngine
 from .errors import SelfspecError
 from .request import DecodeConfig, DecodeState, Request, sync_device
 from .static_pass import PREFILL_CHUNK
-from .tree import chain
 from .stats import GenerationStats
+from .tree import chain
 
 DEFAULT_CONTEXT = 4096  # positions per request when the model allows as many (prompt + new tokens)
 PREFILL_BUDGET = 2 * PREFILL_CHUNK  # prompt tokens cached per step at most (whole chunks): the others' stall
@@ -218,13 +219,17 @@ class BatchEngine:
             job.req.prefilled(DecodeState(job.req.ids.clone(), job.slot, job.req.ids.numel()), hidden, self.target)
             self.running.append(job.req)
 
-    def generate_batch(self, prompts: list, cfg: DecodeConfig | None = None) -> list[GenerationResult]:
-        """Decode every prompt (token ids) to completion, ``max_batch`` at a time; results in the prompts' order."""
+    def generate_batch(self, prompts: list, cfg: DecodeConfig | None = None, progress: bool = False
+                       ) -> list[GenerationResult]:
+        """Decode every prompt (token ids) to completion, ``max_batch`` at a time; results in the prompts' order.
+        ``progress``: a progress bar of finished requests (on stderr)."""
         reqs = [self.add(p, cfg) for p in prompts]
         tokens: dict[int, list[int]] = {id(r): [] for r in reqs}
-        while self.busy:
-            for req, new in self.step():
-                tokens[id(req)] += new
+        with tqdm(total=len(reqs), desc="generate", unit="prompt", disable=not progress) as bar:
+            while self.busy:
+                for req, new in self.step():
+                    tokens[id(req)] += new
+                    bar.update(req.finished)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return [GenerationResult(tokens[id(r)], decode(tokens[id(r)], skip_special_tokens=True) if decode else None,
                                  r.stats) for r in reqs]
