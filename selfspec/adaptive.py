@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-def _ema(old: float | None, new: float, w: float = 0.2) -> float:
+def ema(old: float | None, new: float, w: float = 0.2) -> float:
     return new if old is None else (1 - w) * old + w * new
 
 
@@ -74,7 +74,7 @@ class VerifyCost:
         """A pass over ``nodes`` nodes (root included) took ``seconds``."""
         if self.t1 and nodes > 1:
             size = self._size(nodes)
-            self.ratios[size] = _ema(self.ratios.get(size), seconds / self.t1)
+            self.ratios[size] = ema(self.ratios.get(size), seconds / self.t1)
 
     def _measured(self, n: int) -> float | None:
         return 1.0 if n <= 1 else self.ratios.get(self._size(n))
@@ -206,9 +206,9 @@ class AdaptiveDepth:
             self.tries[d] += 1
             if d < accepted:
                 self.hits[d] += 1
-        self.draft_per_depth = _ema(self.draft_per_depth, draft_s / depth)
-        self.nodes_per_depth = _ema(self.nodes_per_depth, (nodes - 1) / depth)
-        self.nodes_at[depth] = _ema(self.nodes_at.get(depth), nodes)
+        self.draft_per_depth = ema(self.draft_per_depth, draft_s / depth)
+        self.nodes_per_depth = ema(self.nodes_per_depth, (nodes - 1) / depth)
+        self.nodes_at[depth] = ema(self.nodes_at.get(depth), nodes)
         self.cost.record(nodes, verify_s)
 
 

@@ -29,7 +29,7 @@ from transformers.cache_utils import StaticLayer
 from .attention import static_attention
 from .errors import SelfspecError
 from .exact import BatchPlan, plan_pass, row_chunks
-from .memory import kv_bytes_per_token
+from .memory import attention_layout, kv_bytes_per_token
 from .static_pass import StaticPass, ancestor_block, bucket_for, static_mask
 from .tree import DraftTree
 from .verify import Verification, state_layers
@@ -53,11 +53,8 @@ class RowCache(Cache):
     batch entries of the forward, a slice of the cache's rows) and ``write`` ((entries, tokens) slot per token)."""
 
     def __init__(self, config, rows: int, slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        text = config.get_text_config(decoder=True)
-        heads = text.num_attention_heads
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        layers = [StaticLayer(slots) for _ in range(text.num_hidden_layers)]
+        n_layers, _, kv, dim = attention_layout(config)
+        layers = [StaticLayer(slots) for _ in range(n_layers)]
         probe = torch.zeros(rows, kv, 1, dim, dtype=dtype, device=device)
         for layer in layers:
             layer.lazy_initialization(probe, probe)  # (rows, kv, slots, dim) each, zeros
@@ -165,11 +162,7 @@ class BatchPass(StaticPass):
         for slot, tree in items:
             if slot.length + tree.size > self.max_len:
                 raise SelfspecError(f"a request's row is full ({slot.length} of {self.max_len} slots)")
-        n_rows = max(by_row) + 1
-        b = bucket_for(max(tree.size for _, tree in items), (1, *self.buckets))
-        if self.exact:  # rows x bucket: a row count the self-test checked (a power of two, >= least, <= largest)
-            n_rows = next_pow2(n_rows)
-            b = max(b, -(-self.support.least // n_rows))
+        n_rows, b = self.pass_shape(max(by_row) + 1, max(tree.size for _, tree in items))
         part = max(1, self.buckets[-1] // b) if self.exact else n_rows
         out: dict[int, Verification] = {}
         for lo in range(0, n_rows, part):
@@ -179,7 +172,8 @@ class BatchPass(StaticPass):
         return [out[slot.row] for slot, _ in items]
 
     def pass_shape(self, rows: int, nodes: int) -> tuple[int, int]:
-        """(rows, nodes per row) a pass over the first ``rows`` rows, trees of ``nodes`` nodes, runs (with padding)."""
+        """(rows, nodes per row) a pass over the first ``rows`` rows, trees of ``nodes`` nodes, runs (with padding):
+        exact, rows x nodes is a size the self-test checked (rows a power of two, at least its least rows)."""
         nodes = bucket_for(nodes, (1, *self.buckets))
         if not self.exact:
             return rows, nodes
@@ -197,7 +191,7 @@ class BatchPass(StaticPass):
         mine = {r: item for r, item in by_row.items() if lo <= r < hi}
         width = max(slot.length for slot, _ in mine.values()) + b
         with static_attention(self.model) as cut:
-            width = width if cut else self.max_len
+            width = 1 if self.exact else width if cut else self.max_len  # exact: the plans say who sees what
             mask = torch.full((m, 1, b, width), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
             for r, (slot, tree) in mine.items():
                 i, n, start = r - lo, tree.size, slot.length
@@ -205,10 +199,11 @@ class BatchPass(StaticPass):
                 positions[i] = start
                 positions[i, :n] += torch.tensor(tree.depth)
                 write[i] = torch.arange(start, start + b)
-                mask[i] = static_mask(ancestor_block(tree.parents, b), start, width, self.dtype, self.device)[0]
                 if self.exact:
                     plans[i] = plan_pass(tree.parents, tree.depth, start, self.max_len, self.dtype, self.device,
                                          self.support.batched)
+                else:
+                    mask[i] = static_mask(ancestor_block(tree.parents, b), start, width, self.dtype, self.device)[0]
             self.cache.rows, self.cache.write = slice(lo, hi), write.to(self.device)
             with row_chunks(self.support):
                 logits, states = self._forward(ids.to(self.device), positions.to(self.device), mask, layers,
@@ -229,8 +224,4 @@ class BatchPass(StaticPass):
     def length(self, slot: Slot) -> int:
         """Positions ``slot``'s row holds."""
         return self._own(slot).length
-
-    def precompile(self, max_len: int, max_nodes: int, hidden_states=()) -> float:
-        """Nothing to build: the batched pass is not compiled."""
-        return 0.0
 

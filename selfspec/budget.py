@@ -20,9 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def _ema(old: float | None, new: float, w: float = 0.3) -> float:
-    return new if old is None else (1 - w) * old + w * new
+from .adaptive import ema
 
 
 @dataclass
@@ -38,8 +36,8 @@ class PassCost:
 
     def record(self, rows: int, nodes: int, seconds: float) -> None:
         """A pass over ``rows`` rows of ``nodes`` nodes each took ``seconds``."""
-        self.times[rows, nodes] = _ema(self.times.get((rows, nodes)), seconds)
-        self.curve[rows * nodes] = _ema(self.curve.get(rows * nodes), seconds)
+        self.times[rows, nodes] = ema(self.times.get((rows, nodes)), seconds, 0.3)
+        self.curve[rows * nodes] = ema(self.curve.get(rows * nodes), seconds, 0.3)
 
     def seconds(self, rows: int, nodes: int) -> float | None:
         """Measured or estimated time of a (rows, nodes) pass; None before any pass was measured."""

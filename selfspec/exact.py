@@ -280,10 +280,7 @@ def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.
         gen = torch.Generator().manual_seed(0)
         ok = True
         for cache_len, parents in ((40, [-1, *range(31)]), (500, [-1, *range(15)]), (1000, [-1, 0, 0, 1, 1, 2, 3, 3, 5, 4])):
-            n, slots = len(parents), 1088
-            depth = [0] * n
-            for i, p in enumerate(parents[1:], 1):
-                depth[i] = depth[p] + 1
+            n, slots, depth = len(parents), 1088, _depths(parents)
             q = torch.randn(1, heads, n, head_dim, generator=gen).to(device=device, dtype=dtype)
             k = torch.randn(1, kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
             v = torch.randn(1, kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
@@ -297,6 +294,14 @@ def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.
     return _BATCHED[key]
 
 
+def _depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a tree given by ``parents`` (parents first)."""
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents[1:], 1):
+        depth[i] = depth[p] + 1
+    return depth
+
+
 def _stacking_keeps_rows(rows: tuple, heads: int, kv_heads: int, head_dim: int, device: torch.device,
                          dtype: torch.dtype, gen: torch.Generator) -> bool:
     """A batch of requests (``rows``: (cache length, tree parents) each, None for padding) attended with equal
@@ -307,10 +312,7 @@ def _stacking_keeps_rows(rows: tuple, heads: int, kv_heads: int, head_dim: int, 
         if r is None:
             plans.append(None)
             continue
-        depth = [0] * len(r[1])
-        for i, p in enumerate(r[1][1:], 1):
-            depth[i] = depth[p] + 1
-        plans.append(plan_pass(r[1], depth, r[0], slots, dtype, device))
+        plans.append(plan_pass(r[1], _depths(r[1]), r[0], slots, dtype, device))
     q = torch.randn(len(rows), heads, n, head_dim, generator=gen).to(device=device, dtype=dtype)
     k = torch.randn(len(rows), kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
     v = torch.randn(len(rows), kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
@@ -330,14 +332,9 @@ class ExactSupport:
     chunked: dict[nn.Module, int] = field(default_factory=dict)  # packed linears run on at most that many rows
 
 
-def _attention_shape(model: nn.Module) -> tuple[int, int, int]:
-    c = model.config
-    heads = c.num_attention_heads
-    return heads, getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads
-
-
 def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
     """Run the self-test on ``model``'s shapes for passes padded to ``buckets`` rows (the LM head included)."""
+    from .memory import attention_layout
     from .packed_linear import PackedLinear
 
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -357,7 +354,7 @@ def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
                                               f"other bits in a pass of more than {most} rows")
         if most < buckets[-1]:
             chunked[module] = most
-    return ExactSupport(True, least, batching_keeps_rows(*_attention_shape(model), device, dtype), chunked=chunked)
+    return ExactSupport(True, least, batching_keeps_rows(*attention_layout(model.config)[1:], device, dtype), chunked=chunked)
 
 
 @contextmanager

@@ -90,13 +90,18 @@ def counted_bytes(obj, exclude: dict[int, int] | None = None) -> int:
     return sum(n for p, n in storages(obj).items() if p not in exclude)
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    """Keys + values of one token in a full-attention KV cache of ``num_layers`` (default: all) layers."""
+def attention_layout(config) -> tuple[int, int, int, int]:
+    """(layers, query heads, K/V heads, head dim) of a decoder's attention, from its (text) config."""
     tc = config.get_text_config(decoder=True)
     heads = tc.num_attention_heads
     kv_heads = getattr(tc, "num_key_value_heads", None) or heads
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
-    layers = tc.num_hidden_layers if num_layers is None else num_layers
+    return tc.num_hidden_layers, heads, kv_heads, getattr(tc, "head_dim", None) or tc.hidden_size // heads
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Keys + values of one token in a full-attention KV cache of ``num_layers`` (default: all) layers."""
+    layers, _, kv_heads, head_dim = attention_layout(config)
+    layers = layers if num_layers is None else num_layers
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 

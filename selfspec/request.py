@@ -198,13 +198,9 @@ class Request:
         """This step's tree: at most ``depth`` deep (default: as deep as this request's own policy finds pays;
         a batch's budget sets it, with ``node_cost``, the cost of an n-node tree in this batch's passes)."""
         t0 = time.perf_counter()
-        if depth is None:
-            tree, self.dstate = draft(self.drafter, self.dstate, self.ctx, self.max_depth, self.policy, self.cfg,
-                                      self.gen)
-        else:
-            fixed = DepthPolicy(min(depth, self.max_depth), enabled=False)
-            tree, self.dstate = draft(self.drafter, self.dstate, self.ctx, min(depth, self.max_depth), fixed,
-                                      self.cfg, self.gen, node_cost)
+        limit = self.max_depth if depth is None else min(depth, self.max_depth)
+        policy = self.policy if depth is None else DepthPolicy(limit, enabled=False)  # the budget's depth, as is
+        tree, self.dstate = draft(self.drafter, self.dstate, self.ctx, limit, policy, self.cfg, self.gen, node_cost)
         sync_device(self.device)
         self._draft_s = time.perf_counter() - t0
         return tree
