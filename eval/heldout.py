@@ -4,7 +4,7 @@
         --heads checkpoints/qwen2.5-coder-1.5b-instruct-eagle runs/heads/q3/qwen2.5-coder-1.5b-instruct-eagle3 \\
         --data runs/data/qwen-selfdistill.jsonl,runs/data/qwen-code-mix.jsonl --examples 32
 
-Top-1 by depth is the measure training logs at each epoch's end (``selfspec.train.losses.depth_accuracy``): on the
+Top-1 by depth is the measure training logs at each epoch's end (``selfspec.train.objectives.depth_accuracy``): on the
 assistant tokens of held-out conversations (the deterministic split by id that training leaves out), how
 often the heads' depth-d guess equals the target's greedy token, teacher-forced. Every checkpoint sees the
 same conversations, the target's states computed once per batch, so families compare on equal terms
@@ -28,18 +28,18 @@ from selfspec.memory import model_dtype
 from selfspec.options import OneLineParser, add_model_options, load_target, positive_int, run_command
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import TokenDataset, pad_batch
-from selfspec.train.losses import chain_accuracy, depth_counts, depth_hits
+from selfspec.train.objectives import chain_accuracy, depth_counts, depth_hits
 from selfspec.train.loop import EVAL_DEPTH, load_examples, with_features
 
 
-def accuracies(cfg: TrainConfig, heads, target, loader, device) -> tuple[list[float], list[float]]:
+def accuracies(heads, target, loader, device) -> tuple[list[float], list[float]]:
     """Held-out top-1 by depth, and the share of roots whose guesses are right at every depth up to d (what a
     drafted chain gets accepted at position d), both teacher-forced, up to ``EVAL_DEPTH``."""
     sums = {name: ([0] * EVAL_DEPTH, [0] * EVAL_DEPTH) for name in ("depth", "chain")}
     heads.eval()
     for batch in loader:
-        batch = with_features({k: v.to(device) for k, v in batch.items()}, cfg, target, heads)
-        hits = depth_hits(cfg.family, heads, target, batch, EVAL_DEPTH)
+        batch = with_features({k: v.to(device) for k, v in batch.items()}, target, heads)
+        hits = depth_hits(heads, target, batch, EVAL_DEPTH)
         for name, (correct, total) in (("depth", depth_counts(hits)), ("chain", chain_accuracy(hits))):
             for d, (c, t) in enumerate(zip(correct, total)):
                 sums[name][0][d] += c
@@ -70,9 +70,8 @@ def run(args: argparse.Namespace) -> int:
     device = next(target.parameters()).device
     for folder in args.heads:
         heads, _ = load_heads(target, folder, tokenizer=tok)
-        cfg.family = heads.config.family
-        depth, chain = accuracies(cfg, heads, target, loader, device)
-        print(f"| {folder} | {cfg.family} | {cells(depth)} | {cells(chain)} |", flush=True)
+        depth, chain = accuracies(heads, target, loader, device)
+        print(f"| {folder} | {heads.config.family} | {cells(depth)} | {cells(chain)} |", flush=True)
     return 0
 
 

@@ -13,7 +13,7 @@ from conftest import (tree_path, ALPHA, HEADS_HYPER as HYPER, SAMPLING_VOCAB, ch
 from selfspec.drafters.base import DraftContext, DraftRequest
 from selfspec.engine import DecodeConfig, SpeculativeEngine, prefill
 from selfspec.heads import init_heads, make_drafter
-from selfspec.heads.early_exit import truncated_decoder
+from selfspec.frozen import truncated_decoder
 from selfspec.heads.medusa import rank_tree
 from selfspec.packed_linear import is_packed, pack_linears
 from selfspec.sampling import SamplingConfig

@@ -43,7 +43,7 @@ def test_a_bad_heads_folder_is_one_line(capsys, tmp_path):
 def test_chain_accuracy_counts_roots_right_at_every_depth_so_far():
     import torch
 
-    from selfspec.train.losses import chain_accuracy
+    from selfspec.train.objectives import chain_accuracy
 
     t, f = True, False
     hits = [(torch.tensor([[t, t, f, t, t]]), torch.tensor([[t, t, t, f, t]])),  # depth 1 (5 roots; root 3 not assistant)

@@ -10,7 +10,7 @@ from torch import nn
 from conftest import hf_greedy, tiny_model
 from selfspec.divergence import float32_copy
 from selfspec.engine import DecodeConfig, SpeculativeEngine
-from selfspec.heads.common import lm_head, lm_head_rows
+from selfspec.frozen import lm_head, lm_head_rows
 from selfspec.memory import predict_target
 import selfspec.packed_linear as packed_linear_module
 from selfspec.packed_linear import (PackedLinear, dense_linears, is_packed, linear_modules, pack_linears,

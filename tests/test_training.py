@@ -264,7 +264,8 @@ def test_feature_cache_resumes_grows_and_rebuilds(tmp_path: Path, monkeypatch) -
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_target_features_are_the_full_models_last_hidden_states(arch: str) -> None:
     """The cache runs the decoder without the LM head; its states must be the full model's ``hidden_states[-1]``."""
-    from selfspec.train.losses import target_features
+    from selfspec.heads import init_heads
+    from selfspec.train.objectives import target_features
 
     model = tiny_model(0, vocab=VOCAB, arch=arch)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -272,7 +273,7 @@ def test_target_features_are_the_full_models_last_hidden_states(arch: str) -> No
     mask[1, 6:] = 0  # right padding, as pad_batch makes it
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
-    got = target_features("eagle", model, None, ids, mask)["f"]
+    got = target_features(model, init_heads("eagle", model), ids, mask)["f"]
     assert torch.equal(got, want)
 
 

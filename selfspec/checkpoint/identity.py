@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import SelfspecError
-from ..heads.common import placement, text_config
+from ..frozen import placement, text_config
 from ..packed_linear import weight_numel
 
 COMPARED = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size")

@@ -11,7 +11,7 @@ from torch import nn
 from ..drafters.base import Drafter
 from ..errors import SelfspecError
 from ..heads import build_heads, make_drafter
-from ..heads.common import placement
+from ..frozen import placement
 from ..heads.config import config_from_dict
 from .format import check_heads_folder, read_tensors
 from .identity import base_identity, check_base

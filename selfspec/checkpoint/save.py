@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..heads.common import placement, trained_parameter_count
+from ..frozen import placement, trained_parameter_count
 from ..heads.config import config_to_dict
 from .format import CONFIG_FILE, FORMAT_VERSION, INDEX_FILE, SHARD_PATTERN, WEIGHTS_FILE, read_heads_json, read_tensors
 from .identity import base_identity, display_name

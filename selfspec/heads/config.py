@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from transformers import PretrainedConfig
 
 from ..errors import SelfspecError
-from .common import text_config
+from ..frozen import text_config
 
 # Paths of top-k ranks, one rank per Medusa head: [0, 1] = head 1's best token, then head 2's
 # second best. Prefixes come first; 15 nodes + the root fill the engine's default 16-node budget.
@@ -168,13 +168,7 @@ EXIT_ADAPTERS = ("projection", "layer", "lora")
 
 
 HeadConfig = FamilyConfig  # any registered family's config dataclass
-CONFIGS: dict[str, type] = {c.family: c for c in (MedusaConfig, EagleConfig, EarlyExitConfig)}
-
-
-def register_config(cls: type) -> type:
-    """Class decorator: make a family's config dataclass known by its ``family`` name (a family's own module)."""
-    CONFIGS[cls.family] = cls
-    return cls
+CONFIGS: dict[str, type] = {}  # family -> config dataclass, filled by ``selfspec.heads.register_family``
 
 
 def config_class(family: str) -> type:

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from ..verify import cache_kwarg
-from .common import config_with_layers, text_config
+from ..frozen import config_with_layers, text_config
 from .config import EagleConfig
 
 

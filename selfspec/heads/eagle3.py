@@ -27,8 +27,8 @@ from transformers import DynamicCache, LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from ..errors import SelfspecError
-from .common import text_config
-from .config import EagleConfig, register_config
+from ..frozen import text_config
+from .config import EagleConfig
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -37,7 +37,6 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [min(max(i, 1), top) for i in (2, num_layers // 2, num_layers - 3)]
 
 
-@register_config
 @dataclass
 class Eagle3Config(EagleConfig):
     """EAGLE-3: ``aux_layers`` fused by ``fc``, one Llama layer, a final norm and an LM head over the draft vocabulary.
@@ -159,7 +158,7 @@ class Eagle3Head(nn.Module):
     @torch.no_grad()
     def init_lm_head(self, target: nn.Module) -> None:
         """Start the LM head from the target's rows for the draft vocabulary (and the norm from the target's)."""
-        from .common import lm_head_rows
+        from ..frozen import lm_head_rows
 
         weight, _ = lm_head_rows(target, self.draft_ids())
         self.lm_head.weight.copy_(weight.to(self.lm_head.weight))

@@ -30,7 +30,7 @@ from ..kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
 from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_numel
 from ..tree import DraftTree, additive_mask, chain
-from .common import lm_head, lm_head_rows
+from ..frozen import lm_head, lm_head_rows
 from .eagle import EagleHead
 
 

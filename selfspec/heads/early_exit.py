@@ -44,7 +44,7 @@ from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_
 from ..sequence import common_prefix
 from ..tree import DraftTree, additive_mask, chain
 from ..verify import cache_kwarg
-from .common import config_with_layers, lm_head, lm_head_rows, text_config
+from ..frozen import config_with_layers, lm_head, lm_head_rows, text_config, truncated_decoder
 from .config import EarlyExitConfig
 from .exit_lora import build_pairs, lora_decoder, write_peft_folder
 
@@ -124,33 +124,6 @@ class ExitAdapter(nn.Module):
                                use_cache=cache is not None, **{cache_kwarg(type(self.decoder)): cache})
             return out.last_hidden_state
         return hidden if self.proj is None else hidden + self.proj(hidden)
-
-
-def truncated_decoder(target: nn.Module, num_layers: int) -> nn.Module:
-    """The target's base model cut to its first ``num_layers`` layers (+ final norm), sharing every module.
-
-    The cut holds the target's own submodules (its first layers, embeddings, norm, rotary embedding), not
-    copies of their tensors, so whatever later happens to a shared module (``selfspec/packed_linear.py``
-    packing its linears) happens to both."""
-    decoder = target.get_decoder()
-    config = config_with_layers(target.config, num_layers, attn_implementation=decoder.config._attn_implementation)
-    with torch.device("meta"):
-        cut = type(decoder)(config)
-    for name, child in list(cut.named_children()):
-        source = getattr(decoder, name, None)
-        if isinstance(child, nn.ModuleList) and isinstance(source, nn.ModuleList) and len(source) >= len(child):
-            setattr(cut, name, nn.ModuleList(source[:len(child)]))
-        elif type(source) is type(child):
-            setattr(cut, name, source)
-        else:
-            raise SelfspecError(f"early exit cannot share '{name}' with {type(target).__name__}: "
-                                "its truncated copy does not have the same modules")
-    persistent = set(cut.state_dict())
-    for name, _ in list(cut.named_buffers(recurse=False)):
-        cut.register_buffer(name, decoder.get_buffer(name), persistent=name in persistent)
-    if any(t.is_meta for t in (*cut.parameters(), *cut.buffers())):
-        raise SelfspecError(f"early exit could not share every tensor of {type(target).__name__}")
-    return cut.eval()
 
 
 def prefix_cache_view(cache: Cache, num_layers: int) -> Cache:

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..errors import SelfspecError
-from .common import text_config
+from ..frozen import text_config
 
 # the linear layers of a Llama-style decoder layer (Llama, Qwen2, Mistral, SmolLM2, ...), each adapted
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -106,7 +106,7 @@ def adapted_layer(layer: nn.Module, pairs: nn.ModuleDict, scaling: float) -> nn.
 
 
 def lora_decoder(cut: nn.Module, adapter: nn.Module) -> nn.Module:
-    """``cut`` (the target's first L layers + final norm, sharing its modules: ``early_exit.truncated_decoder``)
+    """``cut`` (the target's first L layers + final norm, sharing its modules: ``frozen.truncated_decoder``)
     with ``adapter``'s LoRA pairs active in shallow copies of its layers; shares every weight."""
     for name, child in list(cut.named_children()):
         if isinstance(child, nn.ModuleList) and len(child) == len(adapter.lora):

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..tree import DraftTree, chain
-from .common import lm_head, placement, text_config, trained_parameter_count
+from ..frozen import lm_head, placement, text_config, trained_parameter_count
 from .config import MedusaConfig
 
 

@@ -1,1 +1,1 @@
-"""Training draft heads on a frozen target: run settings, data and features, losses, the loop."""
+"""Training draft heads on a frozen target: run settings, data and features, objectives, the loop."""

@@ -8,7 +8,7 @@ from ..data import read_records
 from .config import TrainConfig
 
 
-def model_card(cfg: TrainConfig, log_path: Path, examples: int, heads) -> str:
+def model_card(cfg: TrainConfig, log_path: Path, examples: int, heads, processes: int = 1) -> str:
     """A short README for the heads folder: base, data, steps, time, held-out top-1 per depth."""
     rows = read_records(log_path) if log_path.is_file() else []
     steps = [r for r in rows if "loss" in r]
@@ -22,7 +22,8 @@ def model_card(cfg: TrainConfig, log_path: Path, examples: int, heads) -> str:
         f"- base model: {cfg.base_model}, frozen",
         f"- data: {cfg.data}; {examples} training conversations (max {cfg.max_length} tokens), loss on assistant tokens",
         f"- training: {len(steps)} optimizer steps, {cfg.epochs} epochs, batch {cfg.batch_size} x "
-        f"{cfg.gradient_accumulation_steps} accumulation, lr {cfg.learning_rate} (warmup {cfg.warmup_steps}, cosine), "
+        f"{cfg.gradient_accumulation_steps} accumulation x {processes} process{'es' if processes > 1 else ''}, "
+        f"loss settings {cfg.loss_args or 'defaults'}, lr {cfg.learning_rate} (warmup {cfg.warmup_steps}, cosine), "
         f"{hours:.2f} h of logged training time (last run segment)",
         f"- held-out top-1 accuracy by draft depth (teacher-forced tokens): {top1}",
         f"- final loss: {steps[-1]['loss']:.4f}" if steps else "- final loss: -",

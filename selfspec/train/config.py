@@ -2,7 +2,8 @@
 
 Command-line flags map one to one onto ``TrainConfig`` fields (``--learning-rate`` -> ``learning_rate``);
 ``--config FILE`` (YAML or JSON) sets fields first, flags given explicitly override the file.
-Head hyperparameters go through ``--head-arg KEY=VALUE`` into the family's own config dataclass.
+Head hyperparameters go through ``--head-arg KEY=VALUE`` into the family's own config dataclass, loss settings
+through ``--loss-arg KEY=VALUE`` into its objective's (``selfspec/train/<family>.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..dtypes import DTYPE_CHOICES
 from ..errors import SelfspecError
 from ..heads import FAMILIES
 from ..zoo import DEFAULT_MODEL
+from .objectives import loss_settings
+
+# fields that moved into a family's loss settings: old name -> its key in loss_args (--loss-arg KEY=VALUE)
+MOVED = {"medusa_decay": "decay", "eagle_token_weight": "token_weight", "eagle_unroll": "unroll",
+         "eagle_unroll_decay": "decay"}
 
 
 @dataclass
@@ -23,8 +30,10 @@ class TrainConfig:
     """One head-training run."""
 
     base_model: str = DEFAULT_MODEL  # zoo name, hub id or folder; loaded frozen
+    dtype: str = "auto"  # the frozen target's: auto (measured once, by the main process, for all) | bfloat16 | float32 | float16
     family: str = "eagle"  # a registered head family: eagle3 | eagle | medusa | early-exit
     head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
+    loss_args: dict[str, Any] = field(default_factory=dict)  # the family's loss settings (its objective's args)
     init_from: str = ""  # a heads folder to continue from (same family and shapes), e.g. a shorter run's
     recount_draft_vocab: bool = False  # EAGLE with --init-from: choose the draft vocabulary again from this run's data
     data: str = "sharegpt"  # sharegpt | humaneval | .json/.jsonl file (e.g. generate_data.py's) | hub id; or several, comma-separated
@@ -46,21 +55,18 @@ class TrainConfig:
     eval_examples: int = 32  # held-out examples for per-depth top-1 accuracy
     seed: int = 0
     resume: bool = False
-    medusa_decay: float = 0.8  # loss weight of Medusa head k is decay**k
-    eagle_token_weight: float = 0.1  # EAGLE: feature regression + this * token cross-entropy
-    eagle_unroll: int = 3  # EAGLE, EAGLE-3: drafting steps unrolled in training (training-time test)
-    eagle_unroll_decay: float = 0.8  # EAGLE, EAGLE-3: loss weight of unrolled step k is decay**(k-1)
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all epochs)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise SelfspecError(f"unknown head family '{self.family}'; choose one of {', '.join(FAMILIES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise SelfspecError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise SelfspecError("mixed_precision must be no, bf16 or fp16")
-        if self.eagle_unroll < 1:
-            raise SelfspecError(f"eagle_unroll must be >= 1, got {self.eagle_unroll}")
         if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
             raise SelfspecError("batch_size, gradient_accumulation_steps and epochs must be >= 1")
+        self.loss = loss_settings(self.family, self.loss_args)  # checked now, before any model loads
 
 
 def _parse_value(text: str) -> Any:
@@ -74,15 +80,20 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+DICT_FLAGS = {"head_args": ("--head-arg", "a head hyperparameter, e.g. --head-arg num_heads=4 (repeatable)"),
+              "loss_args": ("--loss-arg", "a loss setting of the family's objective, e.g. --loss-arg unroll=4 "
+                                          "(repeatable; selfspec/train/<family>.py lists them)")}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per ``TrainConfig`` field, defaults left unset so a config file can supply them."""
     p = argparse.ArgumentParser(description="Train selfspec draft heads on a frozen target (accelerate launch or python).")
     p.add_argument("--config", help="YAML or JSON file of TrainConfig fields")
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else f.default_factory()
-        if f.name == "head_args":
-            p.add_argument("--head-arg", dest="head_args", action="append", metavar="KEY=VALUE",
-                           help="a head hyperparameter, e.g. --head-arg num_heads=4 (repeatable)")
+        if f.name in DICT_FLAGS:
+            p.add_argument(DICT_FLAGS[f.name][0], dest=f.name, action="append", metavar="KEY=VALUE",
+                           help=DICT_FLAGS[f.name][1])
         elif isinstance(default, bool):
             p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                            help=f"(default {default})")
@@ -114,6 +125,10 @@ def load_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SelfspecError(f"{path} must hold a mapping of TrainConfig fields")
     known = {f.name for f in fields(TrainConfig)}
+    moved = sorted(set(data) & set(MOVED))
+    if moved:
+        keys = ", ".join(f"{k} -> {MOVED[k]}" for k in moved)
+        raise SelfspecError(f"{path}: fields moved into \"loss_args\" (the family's loss settings): {keys}")
     unknown = sorted(set(data) - known)
     if unknown:
         raise SelfspecError(f"{path}: unknown TrainConfig fields {unknown}")
@@ -128,19 +143,19 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         given = getattr(args, f.name)
         if given is None:
             continue
-        if f.name == "head_args":
+        if f.name in DICT_FLAGS:
             pairs = {}
             for item in given:
                 if "=" not in item:
-                    raise SelfspecError(f"--head-arg takes KEY=VALUE, got '{item}'")
+                    raise SelfspecError(f"{DICT_FLAGS[f.name][0]} takes KEY=VALUE, got '{item}'")
                 key, value = item.split("=", 1)
                 pairs[key] = _parse_value(value)
-            values["head_args"] = {**values.get("head_args", {}), **pairs}
+            values[f.name] = {**values.get(f.name, {}), **pairs}
         else:
             values[f.name] = given
     return TrainConfig(**values)
 
 
 def config_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """JSON-ready form, for the run log."""
+    """JSON-ready form, for the run log (``loss_args`` as given; the checked settings are ``cfg.loss``)."""
     return asdict(cfg)

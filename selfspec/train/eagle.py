@@ -1,7 +1,7 @@
 """What EAGLE-style heads learn: the pair (f_t, x_{t+1}) predicts f_{t+1}.
 
 Smooth-L1 regression on the feature plus a soft cross-entropy between the draft's and the target's next-token
-distributions (over the draft vocabulary), unrolled ``eagle_unroll`` steps the way drafting runs (EAGLE-3's
+distributions (over the draft vocabulary), unrolled ``unroll`` steps the way drafting runs (EAGLE-3's
 training-time test): step k feeds step k-1's predicted features back in, and each of its rows sees the real
 pairs before its root plus its own chain of predicted pairs, exactly the cache a depth-k draft sees. Step k's
 loss weighs decay**(k-1).
@@ -9,14 +9,24 @@ loss weighs decay**(k-1).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .objective import draft_vocab_counts, final_states, inner, lm_logits, unroll_mask
+from .common import Objective, draft_vocab_counts, final_states, fixed, inner, lm_logits, unroll_mask
 
-FEATURES = ("f",)
-features = final_states
+
+@dataclass(frozen=True)
+class EagleLoss:
+    token_weight: float = 0.1  # the soft cross-entropy's weight beside the feature regression's 1
+    unroll: int = 3  # drafting steps unrolled in training (training-time test)
+    decay: float = 0.8  # the loss of unrolled step k weighs decay**(k-1)
+
+    def __post_init__(self) -> None:
+        if self.unroll < 1:
+            raise ValueError(f"unroll must be >= 1, got {self.unroll}")
 
 
 def eagle_step(head: nn.Module, target: nn.Module, feats: torch.Tensor, next_tokens: torch.Tensor, start: int,
@@ -46,35 +56,30 @@ def eagle_unroll(head: nn.Module, target: nn.Module, f: torch.Tensor, x: torch.T
     return out
 
 
-def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    """``eagle_loss`` with the run's settings."""
-    return eagle_loss(head, target, batch, cfg.eagle_token_weight, cfg.eagle_unroll, cfg.eagle_unroll_decay)
+def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], args: EagleLoss
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Feature regression + soft cross-entropy to the target's next-token distribution, over ``args.unroll``
+    unrolled steps; sums over the loss positions (each position's regression averaged over the features).
 
-
-def eagle_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], token_weight: float,
-               steps: int = 1, decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
-    """Feature regression + soft cross-entropy to the target's next-token distribution, over ``steps`` unrolled steps."""
+    A step whose positions lie past a short batch's end still enters the loss (an empty sum): every parameter
+    takes part in every step, as data-parallel training needs."""
     x, m, f = batch["input_ids"], batch["loss_mask"].bool(), batch["f"]
     rows = inner(head).d2t
     with torch.no_grad():  # the target's distribution at every loss position, once for all steps
         teacher = F.softmax(lm_logits(target, f[m].float(), rows).float(), -1)
     position = torch.arange(f.shape[1], device=f.device).expand_as(m)[m]  # of each teacher row
-    total, logs = f.new_zeros(()), {}
-    for k, pred in enumerate(eagle_unroll(head, target, f, x, steps), start=1):
-        n = pred.shape[1] - (k - 1)  # rows t with t + k inside the sequence
-        if n <= 0:
-            break
+    total, parts = f.new_zeros(()), {}
+    for k, pred in enumerate(eagle_unroll(head, target, f, x, args.unroll), start=1):
+        n = max(pred.shape[1] - (k - 1), 0)  # rows t with t + k inside the sequence
         keep = m[:, k:k + n]  # step k's row t guesses position t + k: the loss positions >= k, in order
-        if not keep.any():
-            continue
         truth = f[:, k:k + n][keep].float()
         guess = pred[:, :n][keep].float()
-        reg = F.smooth_l1_loss(guess, truth)
+        reg = F.smooth_l1_loss(guess, truth, reduction="none").mean(-1).sum()
         draft_logp = F.log_softmax(lm_logits(target, guess, rows).float(), -1)  # fp32 softmax under autocast too
-        soft_ce = -(teacher[position >= k] * draft_logp).sum(-1).mean()
-        total = total + decay ** (k - 1) * (reg + token_weight * soft_ce)
-        logs[f"reg{k}"], logs[f"soft_ce{k}"] = reg.item(), soft_ce.item()
-    return total, logs
+        soft_ce = -(teacher[position >= k] * draft_logp).sum()
+        total = total + args.decay ** (k - 1) * (reg + args.token_weight * soft_ce)
+        parts[f"reg{k}"], parts[f"soft_ce{k}"] = reg.detach(), soft_ce.detach()
+    return total, parts
 
 
 @torch.no_grad()
@@ -91,3 +96,7 @@ def prepare(heads: nn.Module, target: nn.Module, examples: list[dict[str, torch.
     vocab = target.get_output_embeddings().out_features
     if heads.d2t.numel() < vocab:
         heads.set_draft_vocab(draft_vocab_counts(examples, vocab))
+
+
+OBJECTIVE = Objective(features=final_states, cached=fixed("f"), loss=loss, predictions=predictions, args=EagleLoss,
+                      prepare=prepare)

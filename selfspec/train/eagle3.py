@@ -1,6 +1,6 @@
 """What an EAGLE-3-style head learns: training-time test over its own unrolled drafts, soft labels from the target.
 
-Batch notation as in ``losses.py``, plus ``aux`` (B, T, 3H): the target's states after the head's three
+Batch notation as in ``objectives.py``, plus ``aux`` (B, T, 3H): the target's states after the head's three
 ``aux_layers``, concatenated. Step 1 feeds the real pairs (fc(aux_t), x_{t+1}); step k feeds step k-1's
 outputs h with x_{t+k} at position t + k - 1, through one KV cache holding all earlier steps (each row sees the
 real pairs before its root and its own chain: the cache a depth-k draft sees). Step k's row t is scored against
@@ -11,15 +11,24 @@ positions whose next token lies outside the draft vocabulary are masked. Step k 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .eagle import eagle_unroll
-from .objective import draft_vocab_counts, inner, lm_logits
+from .common import Objective, draft_vocab_counts, fixed, inner, lm_logits
 
-FEATURES = ("f", "aux")
-SETTINGS = ("aux_layers",)  # config fields the cached states depend on
+
+@dataclass(frozen=True)
+class Eagle3Loss:
+    unroll: int = 3  # drafting steps unrolled in training (training-time test)
+    decay: float = 0.8  # the loss of unrolled step k weighs decay**(k-1)
+
+    def __post_init__(self) -> None:
+        if self.unroll < 1:
+            raise ValueError(f"unroll must be >= 1, got {self.unroll}")
 
 
 @torch.no_grad()
@@ -38,15 +47,11 @@ def eagle3_unroll(head: nn.Module, target: nn.Module, aux: torch.Tensor, x: torc
     return eagle_unroll(head, target, aux, x, steps, fuse_first=True)
 
 
-def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    """``eagle3_loss`` with the run's settings (``eagle_unroll`` steps, ``eagle_unroll_decay``)."""
-    return eagle3_loss(head, target, batch, cfg.eagle_unroll, cfg.eagle_unroll_decay)
-
-
-def eagle3_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], steps: int, decay: float
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], args: Eagle3Loss
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Soft cross-entropy of every unrolled step against the target's draft-vocabulary distribution, less the
-    target's own entropy (the same gradients; a loss that can reach 0: KL(target || draft))."""
+    target's own entropy (the same gradients; a loss that can reach 0: KL(target || draft)); sums over the loss
+    positions. A step past a short batch's end still enters the loss (an empty sum): every parameter takes part."""
     x, m, f, aux = batch["input_ids"], batch["loss_mask"].bool(), batch["f"], batch["aux"]
     h = inner(head)
     draft_ids, t2d = h.draft_ids(), h.t2d
@@ -56,20 +61,16 @@ def eagle3_loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tenso
         teacher_logp = F.log_softmax(lm_logits(target, f[m].float(), draft_ids).float(), -1)
         teacher = teacher_logp.exp()
     position = torch.arange(f.shape[1], device=f.device).expand_as(m)[m]  # of each teacher row
-    total, logs = f.new_zeros(()), {}
-    for k, pred in enumerate(eagle3_unroll(head, target, aux, x, steps), start=1):
-        n = pred.shape[1] - (k - 1)  # rows t with t + k inside the sequence
-        if n <= 0:
-            break
+    total, parts = f.new_zeros(()), {}
+    for k, pred in enumerate(eagle3_unroll(head, target, aux, x, args.unroll), start=1):
+        n = max(pred.shape[1] - (k - 1), 0)  # rows t with t + k inside the sequence
         keep = m[:, k:k + n]  # step k's row t guesses position t + k's next token
-        if not keep.any():
-            continue
         logp = F.log_softmax(h.logits(pred[:, :n][keep]).float(), -1)
         rows = position >= k
-        kl = (teacher[rows] * (teacher_logp[rows] - logp)).sum(-1).mean()  # soft cross-entropy - teacher entropy
-        total = total + decay ** (k - 1) * kl
-        logs[f"kl{k}"] = kl.item()
-    return total, logs
+        kl = (teacher[rows] * (teacher_logp[rows] - logp)).sum()  # soft cross-entropy - teacher entropy
+        total = total + args.decay ** (k - 1) * kl
+        parts[f"kl{k}"] = kl.detach()
+    return total, parts
 
 
 @torch.no_grad()
@@ -88,3 +89,7 @@ def prepare(heads: nn.Module, target: nn.Module, examples: list[dict[str, torch.
     if heads.d2t.numel() < vocab:
         heads.set_draft_vocab(draft_vocab_counts(examples, vocab))
     heads.init_lm_head(target)
+
+
+OBJECTIVE = Objective(features=features, cached=fixed("f", "aux"), loss=loss, predictions=predictions,
+                      args=Eagle3Loss, settings=("aux_layers",), prepare=prepare)

@@ -9,20 +9,24 @@ adapter), so only the target's final states are cached.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..heads.early_exit import truncated_decoder
-from .objective import draft_vocab_counts, final_states, inner, lm_logits
-
-FEATURES = ("f", "exit")
-SETTINGS = ("exit_layer",)  # config fields the cached states depend on
+from ..frozen import truncated_decoder
+from .common import Objective, draft_vocab_counts, final_states, inner, lm_logits
 
 
-def feature_keys(config) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class EarlyExitLoss:
+    """No settings: the loss is KL(target || exit) on every assistant position."""
+
+
+def cached(config) -> tuple[str, ...]:
     """What is cached for this config: no exit states under LoRA (they change as it trains)."""
-    return ("f",) if config.adapter == "lora" else FEATURES
+    return ("f",) if config.adapter == "lora" else ("f", "exit")
 
 
 def _exits(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -43,17 +47,17 @@ def features(target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
     return {**final_states(target, heads, input_ids, attention_mask), "exit": exit_states}
 
 
-def loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], cfg=None
-         ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL(target || exit) of the next-token distributions on assistant positions."""
+def loss(adapter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], args: EarlyExitLoss | None = None
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL(target || exit) of the next-token distributions, summed over the assistant positions."""
     m, f = batch["loss_mask"].bool(), batch["f"]
     keep = torch.zeros_like(m)
     keep[:, :-1] = m[:, 1:]  # position t predicts token t+1
     logp = F.log_softmax(lm_logits(target, _exits(adapter, target, batch)[keep]).float(), -1)
     with torch.no_grad():
         teacher = F.log_softmax(lm_logits(target, f[keep]).float(), -1)
-    kl = F.kl_div(logp, teacher, log_target=True, reduction="batchmean")
-    return kl, {"kl": kl.item()}
+    kl = F.kl_div(logp, teacher, log_target=True, reduction="sum")
+    return kl, {"kl": kl.detach()}
 
 
 @torch.no_grad()
@@ -71,3 +75,7 @@ def prepare(heads: nn.Module, target: nn.Module, examples: list[dict[str, torch.
     h = inner(heads)
     if h.draft_ids is not None:
         h.set_draft_vocab(draft_vocab_counts(examples, target.get_output_embeddings().out_features))
+
+
+OBJECTIVE = Objective(features=features, cached=cached, loss=loss, predictions=predictions, args=EarlyExitLoss,
+                      settings=("exit_layer",), prepare=prepare)

@@ -9,6 +9,7 @@ an index is written last; an interrupted pass resumes, and a larger run reuses t
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,48 +78,73 @@ def _shard_holds(path: Path, examples: list[dict[str, torch.Tensor]], first: int
 
 def build_feature_cache(feature_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
                         examples: list[dict[str, torch.Tensor]], keys: tuple[str, ...], folder: Path,
-                        device: torch.device | str = "cpu", signature: dict | None = None) -> FeatureCache:
+                        device: torch.device | str = "cpu", signature: dict | None = None,
+                        rank: int = 0, world: int = 1, wait: Callable[[], None] = lambda: None) -> FeatureCache:
     """Run ``feature_fn`` ((1, T) ids -> {key: (1, T, H)}) over ``examples`` once and store it all.
 
     ``signature`` (base model, feature settings, data settings) is stored with the cache. Every shard
     already on disk that holds exactly the examples it should (same tokens) is kept: an interrupted pass
     resumes, and a run with more examples (``max_examples``, or a source appended to ``data``) computes
     only the new shards. A different model or feature setting (``VOLATILE`` lists what is not) rebuilds it.
+
+    Several processes (``rank`` of ``world``, ``wait`` their barrier) build it together: process r computes the
+    shards s with s % world == r, each written under a temporary name of its own and renamed whole; process 0
+    alone clears a stale cache first and writes the index last, once every shard is there.
     """
     folder = Path(folder)
     signature = {**(signature or {}), "count": len(examples), "keys": list(keys)}
-    sig_file = folder / "signature.json"
-    if sig_file.is_file() and _stable(json.loads(sig_file.read_text())) != _stable(signature):
-        for stale in folder.glob("*"):  # made for another model, family or data: start over
-            stale.unlink()
     index = folder / "index.json"
+    if rank == 0:
+        _start_cache(folder, signature)
+    wait()  # every process now sees the same folder
     if index.is_file() and json.loads(index.read_text())["count"] == len(examples):
         return FeatureCache(folder)
+    mine = range(rank, (len(examples) + SHARD - 1) // SHARD, world)
+    bar = tqdm(total=sum(min(SHARD, len(examples) - s * SHARD) for s in mine), desc="cache target features",
+               unit="conv", disable=rank != 0)
+    for s in mine:
+        first, last = s * SHARD, min((s + 1) * SHARD, len(examples))
+        path = folder / f"shard-{s:05d}.safetensors"
+        if not _shard_holds(path, examples, first, last, keys):  # else written whole by an earlier pass
+            _write_shard(feature_fn, examples, first, last, keys, path, device)
+        bar.update(last - first)
+    bar.close()
+    wait()
+    if rank == 0:
+        index.write_text(json.dumps({"count": len(examples), "keys": [*TOKEN_KEYS, *keys]}))
+    wait()
+    return FeatureCache(folder)
+
+
+def _start_cache(folder: Path, signature: dict) -> None:
+    """Clear a cache made for another model, family or data; drop the index of an incomplete one."""
+    sig_file = folder / "signature.json"
+    if sig_file.is_file() and _stable(json.loads(sig_file.read_text())) != _stable(signature):
+        for stale in folder.glob("*"):
+            stale.unlink()
+    index = folder / "index.json"
+    if index.is_file() and json.loads(index.read_text())["count"] == signature["count"]:
+        return
     index.unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     sig_file.write_text(json.dumps(signature))
-    bar = tqdm(total=len(examples), desc="cache target features", unit="conv")
-    for s in range((len(examples) + SHARD - 1) // SHARD):
-        first, last = s * SHARD, min((s + 1) * SHARD, len(examples))
-        path = folder / f"shard-{s:05d}.safetensors"
-        if _shard_holds(path, examples, first, last, keys):
-            bar.update(last - first)  # written whole by an earlier pass
-            continue
-        tensors = {}
-        for i in range(first, last):
-            ex = examples[i]
-            feats = feature_fn(ex["input_ids"][None].to(device))
-            tensors[f"{i}.input_ids"] = ex["input_ids"]
-            tensors[f"{i}.loss_mask"] = ex["loss_mask"]
-            for k in keys:
-                tensors[f"{i}.{k}"] = feats[k][0].to(torch.bfloat16).cpu().contiguous()
-            bar.update(1)
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        tmp.rename(path)
-    bar.close()
-    index.write_text(json.dumps({"count": len(examples), "keys": [*TOKEN_KEYS, *keys]}))
-    return FeatureCache(folder)
+
+
+def _write_shard(feature_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+                 examples: list[dict[str, torch.Tensor]], first: int, last: int, keys: tuple[str, ...], path: Path,
+                 device: torch.device | str) -> None:
+    """Examples first..last-1 with their states, written to a temporary file of this process, then renamed."""
+    tensors = {}
+    for i in range(first, last):
+        ex = examples[i]
+        feats = feature_fn(ex["input_ids"][None].to(device))
+        tensors[f"{i}.input_ids"] = ex["input_ids"]
+        tensors[f"{i}.loss_mask"] = ex["loss_mask"]
+        for k in keys:
+            tensors[f"{i}.{k}"] = feats[k][0].to(torch.bfloat16).cpu().contiguous()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # own name: runs sharing the folder never collide
+    save_file(tensors, str(tmp))
+    tmp.rename(path)
 
 
 class TokenDataset(Dataset):

@@ -1,28 +1,29 @@
-"""The training loop, flat and visible: frozen target, trained heads, accelerate for devices and resume.
+"""The training loop, flat and visible: frozen target, trained heads, accelerate for processes and devices.
 
-    frozen_target -> starting_heads -> load_examples -> training_set (target features cached once)
-    -> prepare (loaders, optimizer, warmup + cosine schedule) -> resume
-    -> run_epochs: train_step (loss -> backward -> clip -> optimizer step) per batch, a log line and
-       every N steps a checkpoint per optimizer step, held-out top-1 accuracy per depth per epoch
-    -> write_heads (selfspec heads format, model card)
+    frozen_target -> starting_heads -> load_examples -> training_set (target features cached once, by every process)
+    -> prepare (heads and AdamW through accelerate, warmup + cosine schedule) -> resume
+    -> run_epochs: per optimizer step, this process's micro-batches (``batches.py``) -> train_step (losses summed,
+       divided once by the loss tokens of the whole step on every process -> backward -> clip -> optimizer step);
+       a log line per step, a checkpoint every N steps, held-out top-1 per depth per epoch (over every process)
+    -> write_heads (selfspec heads format, model card; the main process only)
 
-Distribution is accelerate's own (DDP from `accelerate config`; FSDP or DeepSpeed through its
-config files). Resuming restores model, optimizer, scheduler and RNG states with
-``accelerator.load_state`` and skips the batches already seen in the epoch (seedable sampler), so
-a resumed run ends with the same weights as an uninterrupted one.
+One process or several (``accelerate launch``, ``torchrun``): only the heads are wrapped for data parallelism
+(DDP; the frozen target sits on every process outside it), the processes split each step's examples without
+overlap, and N processes of batch b train exactly what one process of batch N x b does. Resuming restores the
+heads, optimizer, schedule and RNG states (``accelerator.load_state``) and starts at the next step of the same
+order, so a resumed run ends with the weights of an uninterrupted one; it must use the same number of processes.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
-from itertools import islice
+from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..checkpoint import load_heads, save_heads
@@ -31,10 +32,11 @@ from ..data.load import iter_examples
 from ..errors import SelfspecError
 from ..heads import init_heads
 from ..zoo import load_model
+from .batches import epoch_order, rank_micro_batches, step_examples, steps_per_epoch
 from .card import model_card
 from .config import TrainConfig, config_dict
-from .features import FeatureCache, TokenDataset, build_feature_cache, pad_batch, tokenize_all
-from .losses import depth_accuracy, feature_keys, feature_settings, head_loss, prepare_heads, target_features
+from .features import TokenDataset, build_feature_cache, pad_batch, tokenize_all
+from .objectives import depth_accuracy, feature_keys, feature_settings, head_loss, prepare_heads, target_features
 
 
 def load_examples(cfg: TrainConfig, tokenizer, split: str, limit: int) -> list[dict[str, torch.Tensor]]:
@@ -69,26 +71,28 @@ def check_data(cfg: TrainConfig, look: int = 200) -> None:
                         f"{sources[0] if sources else 'SOURCE'} --out replies.jsonl, then --data replies.jsonl")
 
 
-def with_features(batch: dict[str, torch.Tensor], cfg: TrainConfig, target, heads) -> dict[str, torch.Tensor]:
+def with_features(batch: dict[str, torch.Tensor], target, heads) -> dict[str, torch.Tensor]:
     """Add the target's states to a batch unless they came from the feature cache."""
     if all(k in batch for k in feature_keys(heads)):
         return batch
-    return {**batch, **target_features(cfg.family, target, heads, batch["input_ids"], batch["attention_mask"])}
+    return {**batch, **target_features(target, heads, batch["input_ids"], batch["attention_mask"])}
 
 
 EVAL_DEPTH = 4
 
 
-def evaluate(cfg: TrainConfig, heads, target, loader, device: torch.device) -> list[float]:
-    """Held-out top-1 accuracy per draft depth (1 .. EVAL_DEPTH)."""
+def evaluate(cfg: TrainConfig, accelerator, heads, target, examples: list[dict[str, torch.Tensor]]) -> list[float]:
+    """Held-out top-1 accuracy per draft depth (1 .. EVAL_DEPTH): each process scores every N-th example, the
+    counts are summed over the processes."""
     heads.eval()
-    correct, total = [0] * EVAL_DEPTH, [0] * EVAL_DEPTH
-    for batch in loader:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        c, t = depth_accuracy(cfg.family, heads, target, with_features(batch, cfg, target, heads), EVAL_DEPTH)
-        correct = [a + b for a, b in zip(correct, c)]
-        total = [a + b for a, b in zip(total, t)]
+    counts = torch.zeros(2, EVAL_DEPTH, dtype=torch.long, device=accelerator.device)
+    mine = examples[accelerator.process_index::accelerator.num_processes]
+    for i in range(0, len(mine), cfg.batch_size):
+        batch = {k: v.to(accelerator.device) for k, v in pad_batch(mine[i:i + cfg.batch_size]).items()}
+        c, t = depth_accuracy(heads, target, with_features(batch, target, heads), EVAL_DEPTH)
+        counts += torch.tensor([c, t], device=accelerator.device)
     heads.train()
+    correct, total = accelerator.reduce(counts, "sum").tolist()
     return [c / t for c, t in zip(correct, total) if t]
 
 
@@ -108,13 +112,21 @@ def save_checkpoint(accelerator, out: Path, step: int) -> None:
         tmp.rename(final)
 
 
-def check_resumable(cfg: TrainConfig, out: Path) -> None:
-    """Resuming is exact only with the settings the run started with."""
+def run_settings(cfg: TrainConfig, accelerator) -> dict:
+    """What ``train_config.json`` records: the config, and the number of processes (steps depend on it)."""
+    return {**config_dict(cfg), "num_processes": accelerator.num_processes}
+
+
+def check_resumable(cfg: TrainConfig, accelerator, out: Path) -> None:
+    """Resuming is exact only with the settings and the number of processes the run started with."""
     saved = out / "train_config.json"
     if not saved.is_file():
         return
-    before = json.loads(saved.read_text())
-    now = config_dict(cfg)
+    before, now = json.loads(saved.read_text()), run_settings(cfg, accelerator)
+    if before.get("num_processes", 1) != now["num_processes"]:
+        raise SelfspecError(f"cannot resume {out}: it ran with {before.get('num_processes', 1)} processes, this launch "
+                            f"has {now['num_processes']}; launch as many (e.g. torchrun --nproc_per_node "
+                            f"{before.get('num_processes', 1)}) or use a new --output-dir")
     differ = sorted(k for k in now if k not in ("resume", "max_steps") and before.get(k) != now[k])
     if differ:
         raise SelfspecError(f"cannot resume {out}: settings changed since it started ({', '.join(differ)}); "
@@ -123,21 +135,33 @@ def check_resumable(cfg: TrainConfig, out: Path) -> None:
 
 @dataclass
 class Prepared:
-    """What the loop steps: accelerate's prepared heads, optimizer, schedule and loaders, and the schedule's length."""
+    """What the loop steps: accelerate's prepared heads and optimizer, the schedule, the data and its steps."""
 
     heads: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object
-    loader: DataLoader
-    eval_loader: DataLoader
+    train_set: torch.utils.data.Dataset
+    eval_examples: list[dict[str, torch.Tensor]]
+    global_batch: int  # examples per optimizer step, over every process
     steps_per_epoch: int
     total_steps: int
 
 
-def frozen_target(cfg: TrainConfig, device: torch.device, target=None, tokenizer=None):
-    """The target (``cfg.base_model`` unless given) with gradients off: no optimizer state, never trained."""
+def frozen_target(cfg: TrainConfig, accelerator, target=None, tokenizer=None):
+    """The target (``cfg.base_model`` unless given) with gradients off: no optimizer state, never trained.
+    Every process loads it in the same dtype: ``auto`` is measured by the main process alone."""
     if target is None:
-        target, tokenizer = load_model(cfg.base_model, device=device)
+        dtype = cfg.dtype
+        if dtype == "auto":
+            from accelerate.utils import broadcast_object_list
+
+            from ..dtypes import resolve_dtype
+            from ..zoo import load_config
+
+            chosen = [str(resolve_dtype("auto", accelerator.device, load_config(cfg.base_model).get_text_config()))
+                      if accelerator.is_main_process else None]
+            dtype = broadcast_object_list(chosen)[0].removeprefix("torch.")
+        target, tokenizer = load_model(cfg.base_model, dtype=dtype, device=accelerator.device)
     target.eval().requires_grad_(False)
     return target, tokenizer
 
@@ -161,46 +185,43 @@ def starting_heads(cfg: TrainConfig, target, tokenizer) -> torch.nn.Module:
 
 
 def training_set(cfg: TrainConfig, accelerator, target, heads, examples: list[dict[str, torch.Tensor]], out: Path):
-    """The training examples with the target's states cached on disk (``cfg.cache_features``), or tokens only."""
+    """The training examples with the target's states cached on disk (``cfg.cache_features``), or tokens only.
+    Every process computes its share of the cache's shards."""
     if not cfg.cache_features:
         return TokenDataset(examples)
-    with accelerator.main_process_first():
-        # what the states depend on (not the family: medusa and eagle read the same ones)
-        signature = {"base": cfg.base_model, "data": cfg.data, "max_examples": cfg.max_examples,
-                     "max_length": cfg.max_length, "heldout_fraction": cfg.heldout_fraction, **feature_settings(heads)}
+    # what the states depend on (not the family: medusa and eagle read the same ones)
+    signature = {"base": cfg.base_model, "data": cfg.data, "max_examples": cfg.max_examples,
+                 "max_length": cfg.max_length, "heldout_fraction": cfg.heldout_fraction, **feature_settings(heads)}
 
-        def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-            with accelerator.autocast():  # the uncached path's precision (bf16 on AMX: 1.7x faster)
-                return target_features(cfg.family, target, heads, ids)
+    def features(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        with accelerator.autocast():  # the uncached path's precision (bf16 on AMX: 1.7x faster)
+            return target_features(target, heads, ids)
 
-        return build_feature_cache(features, examples, feature_keys(heads),
-                                   Path(cfg.feature_dir or out / "features"), accelerator.device, signature)
+    return build_feature_cache(features, examples, feature_keys(heads), Path(cfg.feature_dir or out / "features"),
+                               accelerator.device, signature, rank=accelerator.process_index,
+                               world=accelerator.num_processes, wait=accelerator.wait_for_everyone)
 
 
 def prepare(cfg: TrainConfig, accelerator, heads, train_set, eval_examples: list[dict[str, torch.Tensor]]) -> Prepared:
-    """Loaders (a seeded shuffle), AdamW, warmup + cosine schedule, all through ``accelerator.prepare``."""
+    """AdamW and the heads through ``accelerator.prepare`` (DDP over the heads alone when there are several
+    processes), and a warmup + cosine schedule counted in optimizer steps (saved with the checkpoints)."""
     from transformers import get_cosine_schedule_with_warmup
 
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=pad_batch,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    eval_loader = DataLoader(TokenDataset(eval_examples), batch_size=cfg.batch_size, collate_fn=pad_batch)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    # per process: accelerate gives each of N processes 1/N of the batches
-    batches_per_epoch = math.ceil(len(train_set) / (cfg.batch_size * accelerator.num_processes))
-    steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
-    total_steps = steps_per_epoch * cfg.epochs
-    # the prepared scheduler steps once per process per optimizer step (accelerate's convention)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps * accelerator.num_processes,
-                                                total_steps * accelerator.num_processes)
-    heads, optimizer, loader, scheduler = accelerator.prepare(heads, optimizer, loader, scheduler)
-    return Prepared(heads, optimizer, scheduler, loader, eval_loader, steps_per_epoch, total_steps)
+    global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
+    per_epoch = steps_per_epoch(len(train_set), global_batch)
+    total_steps = per_epoch * cfg.epochs
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, total_steps)
+    heads, optimizer = accelerator.prepare(heads, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # stepped here once per optimizer step, not by accelerate
+    return Prepared(heads, optimizer, scheduler, train_set, eval_examples, global_batch, per_epoch, total_steps)
 
 
 def resume(cfg: TrainConfig, accelerator, out: Path) -> int:
     """The optimizer step to start from: 0, or the latest checkpoint's after restoring its states (``--resume``)."""
     if not cfg.resume:
         return 0
-    check_resumable(cfg, out)
+    check_resumable(cfg, accelerator, out)
     ckpt = latest_checkpoint(out)
     if ckpt is None:
         return 0
@@ -216,49 +237,66 @@ def append_log(accelerator, log_path: Path, row: dict) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batch: dict[str, torch.Tensor]):
-    """One micro-batch: loss, backward; at an accumulation boundary, clip. Returns (loss, its parts)."""
-    with accelerator.accumulate(run.heads):
-        with accelerator.autocast():  # mixed precision covers the whole loss, the frozen LM head included
-            loss, parts = head_loss(cfg.family, run.heads, target, with_features(batch, cfg, target, run.heads), cfg)
-        accelerator.backward(loss)
-        if accelerator.sync_gradients:
-            accelerator.clip_grad_norm_(run.heads.parameters(), cfg.max_grad_norm)
-        run.optimizer.step()
-        run.scheduler.step()
-        run.optimizer.zero_grad()
-    return loss, parts
+def step_batches(cfg: TrainConfig, accelerator, run: Prepared, epoch: int, step: int) -> list[dict[str, torch.Tensor]]:
+    """This process's micro-batches of optimizer step ``step`` of ``epoch`` (a weightless one if it has none)."""
+    examples = step_examples(epoch_order(len(run.train_set), cfg.seed, epoch), step, run.global_batch)
+    micro = rank_micro_batches(examples, cfg.batch_size, accelerator.process_index, accelerator.num_processes)
+    if micro:
+        batches = [pad_batch([run.train_set[i] for i in ids]) for ids in micro]
+    else:  # a short last step left this process nothing: take part with a copy that weighs nothing
+        ex = run.train_set[examples[0]]
+        batches = [pad_batch([{**ex, "loss_mask": torch.zeros_like(ex["loss_mask"])}])]
+    return [{k: v.to(accelerator.device) for k, v in b.items()} for b in batches]
+
+
+def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batches: list[dict[str, torch.Tensor]]
+               ) -> dict[str, float]:
+    """One optimizer step over this process's micro-batches: each loss is a sum over its tokens, scaled by the
+    number of loss tokens of the whole step (every micro-batch of every process), so each token weighs the same
+    wherever it lands; backward (gradients exchanged at the last micro-batch only), clip, step. Returns the step's
+    loss and its parts, per loss token of the whole step (the same on every process)."""
+    tokens = accelerator.reduce(sum(b["loss_mask"].sum() for b in batches).to(accelerator.device), "sum")
+    scale = accelerator.num_processes / tokens.clamp(min=1)  # DDP averages the processes' gradients: undo it
+    sums = None
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with nullcontext() if last else accelerator.no_sync(run.heads):
+            with accelerator.autocast():  # mixed precision covers the whole loss, the frozen LM head included
+                loss, parts = head_loss(run.heads, target, with_features(batch, target, run.heads), cfg.loss)
+            accelerator.backward(loss * scale)
+        values = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())])
+        sums = values if sums is None else sums + values
+    accelerator.clip_grad_norm_(run.heads.parameters(), cfg.max_grad_norm)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad()
+    means = (accelerator.reduce(sums, "sum") / tokens.clamp(min=1)).tolist()  # the one host sync of a step
+    return {"loss": means[0], **dict(zip(parts, means[1:])), "tokens": int(tokens)}
 
 
 def run_epochs(cfg: TrainConfig, accelerator, run: Prepared, target, out: Path, step: int) -> None:
     """The loop, from optimizer step ``step``: log every step, checkpoint every ``save_every``, evaluate per epoch."""
     log_path = out / "log.jsonl"
     stop_at = min(run.total_steps, cfg.max_steps) if cfg.max_steps else run.total_steps
-    bar = tqdm(total=stop_at, initial=step, desc=f"train {cfg.family}", disable=not accelerator.is_local_main_process)
+    bar = tqdm(total=stop_at, initial=step, desc=f"train {cfg.family}", disable=not accelerator.is_main_process)
     start = time.perf_counter()
     run.heads.train()
     for epoch in range(step // run.steps_per_epoch, cfg.epochs):
         if step >= stop_at:
             break
-        run.loader.set_epoch(epoch)
-        done_in_epoch = (step - epoch * run.steps_per_epoch) * cfg.gradient_accumulation_steps
-        batches = accelerator.skip_first_batches(run.loader, done_in_epoch) if done_in_epoch else run.loader
-        for batch in batches:
-            loss, parts = train_step(cfg, accelerator, run, target, batch)
-            if not accelerator.sync_gradients:
-                continue
+        for in_epoch in range(step - epoch * run.steps_per_epoch, run.steps_per_epoch):
+            row = train_step(cfg, accelerator, run, target, step_batches(cfg, accelerator, run, epoch, in_epoch))
             step += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-            append_log(accelerator, log_path, {"step": step, "epoch": epoch, "loss": loss.item(), **parts,
-                                               "lr": run.scheduler.get_last_lr()[0],
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+            append_log(accelerator, log_path, {"step": step, "epoch": epoch, **row, "lr": run.scheduler.get_last_lr()[0],
                                                "elapsed_s": time.perf_counter() - start})
             if step % cfg.save_every == 0 or step == stop_at:
                 save_checkpoint(accelerator, out, step)
             if step >= stop_at:
                 break
         if step % run.steps_per_epoch == 0 or step >= run.total_steps:  # a whole epoch is done
-            acc = evaluate(cfg, accelerator.unwrap_model(run.heads), target, run.eval_loader, accelerator.device)
+            acc = evaluate(cfg, accelerator, accelerator.unwrap_model(run.heads), target, run.eval_examples)
             accelerator.print(f"epoch {epoch}: held-out top-1 by depth {[round(a, 3) for a in acc]}")
             append_log(accelerator, log_path, {"step": step, "epoch": epoch, "heldout_top1_by_depth": acc})
     bar.close()
@@ -271,8 +309,8 @@ def write_heads(cfg: TrainConfig, accelerator, heads, target, tokenizer, out: Pa
     if accelerator.is_main_process:
         heads = accelerator.unwrap_model(heads)
         save_heads(heads, target, final, tokenizer=tokenizer, base_name=cfg.base_model)
-        (final / "README.md").write_text(model_card(cfg, out / "log.jsonl", examples, heads))
-        (final / "train_config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+        (final / "README.md").write_text(model_card(cfg, out / "log.jsonl", examples, heads, accelerator.num_processes))
+        (final / "train_config.json").write_text(json.dumps(run_settings(cfg, accelerator), indent=2))
     return final
 
 
@@ -282,15 +320,14 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     ``target``/``tokenizer`` may be passed already loaded (frozen here); else ``cfg.base_model`` is loaded.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, set_seed
+    from accelerate.utils import set_seed
 
     out = Path(cfg.output_dir)
     check_data(cfg)  # before the model loads
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              mixed_precision=cfg.mixed_precision,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    set_seed(cfg.seed)
-    target, tokenizer = frozen_target(cfg, accelerator.device, target, tokenizer)
+    # gradient accumulation is the loop's own (train_step): every micro-batch of a step is known before its first
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    target, tokenizer = frozen_target(cfg, accelerator, target, tokenizer)
+    set_seed(cfg.seed)  # after loading: the heads start the same however the target was loaded (or passed in)
     heads = starting_heads(cfg, target, tokenizer)
     train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
     if not train_ex:
@@ -298,11 +335,11 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
                             f"{cfg.max_length}, {cfg.max_examples} examples at most)")
     eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
     if not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
-        prepare_heads(cfg.family, heads, target, train_ex)
+        prepare_heads(heads, target, train_ex)
     run = prepare(cfg, accelerator, heads, training_set(cfg, accelerator, target, heads, train_ex, out), eval_ex)
     step = resume(cfg, accelerator, out)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+        (out / "train_config.json").write_text(json.dumps(run_settings(cfg, accelerator), indent=2))
     run_epochs(cfg, accelerator, run, target, out, step)
     return write_heads(cfg, accelerator, run.heads, target, tokenizer, out, len(train_ex))

@@ -1,12 +1,15 @@
-"""Small helpers every head family shares: the target's text config, truncated configs, parameter counts."""
+"""The frozen target's parts that heads and their training objectives share: its text config, truncated configs and
+decoders, placement, LM head rows; and the trained-parameter count. Outside ``heads/`` so that the objectives
+(``selfspec/train/``), which ``heads`` registers, import none of ``heads``."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
-from ..errors import SelfspecError
-from ..packed_linear import PackedLinear
+from .errors import SelfspecError
+from .packed_linear import PackedLinear
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -59,3 +62,29 @@ def lm_head_rows(model: torch.nn.Module, rows: torch.Tensor | None) -> tuple[tor
     if rows is None:
         return head.weight, head.bias
     return head.weight.index_select(0, rows.to(head.weight.device)), bias
+
+def truncated_decoder(target: nn.Module, num_layers: int) -> nn.Module:
+    """The target's base model cut to its first ``num_layers`` layers (+ final norm), sharing every module.
+
+    The cut holds the target's own submodules (its first layers, embeddings, norm, rotary embedding), not
+    copies of their tensors, so whatever later happens to a shared module (``selfspec/packed_linear.py``
+    packing its linears) happens to both."""
+    decoder = target.get_decoder()
+    config = config_with_layers(target.config, num_layers, attn_implementation=decoder.config._attn_implementation)
+    with torch.device("meta"):
+        cut = type(decoder)(config)
+    for name, child in list(cut.named_children()):
+        source = getattr(decoder, name, None)
+        if isinstance(child, nn.ModuleList) and isinstance(source, nn.ModuleList) and len(source) >= len(child):
+            setattr(cut, name, nn.ModuleList(source[:len(child)]))
+        elif type(source) is type(child):
+            setattr(cut, name, source)
+        else:
+            raise SelfspecError(f"early exit cannot share '{name}' with {type(target).__name__}: "
+                                "its truncated copy does not have the same modules")
+    persistent = set(cut.state_dict())
+    for name, _ in list(cut.named_buffers(recurse=False)):
+        cut.register_buffer(name, decoder.get_buffer(name), persistent=name in persistent)
+    if any(t.is_meta for t in (*cut.parameters(), *cut.buffers())):
+        raise SelfspecError(f"early exit could not share every tensor of {type(target).__name__}")
+    return cut.eval()

@@ -1,0 +1,196 @@
+"""Training with several processes, as ``accelerate launch`` / ``torchrun`` run it: two real ranks on this CPU
+(gloo). Two processes of batch b train what one process of batch 2b does; a killed two-process run resumes to the
+uninterrupted run's weights bit for bit; the ranks split every epoch without overlap; the feature cache two ranks
+build is the one one process builds; one checkpoint, log and card; resuming with another number of processes is
+refused; and a head family's registration is checked when it registers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import free_port, make_tokenizer, tiny_model
+from selfspec.errors import SelfspecError
+from selfspec.train.batches import epoch_order, rank_micro_batches, step_examples, steps_per_epoch
+from selfspec.train.config import TrainConfig
+from selfspec.train.loop import train
+
+VOCAB = 272
+HERE = Path(__file__).parent
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A tiny model folder (weights and tokenizer), loaded by every process as users' models are."""
+    folder = tmp_path_factory.mktemp("tiny-base")
+    tiny_model(0, vocab=VOCAB, layers=2).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"say it {i % 7}"},
+                                         {"role": "assistant", "content": " ".join(["abc def ghi"] * (2 + i % 5))}]}
+            for i in range(40)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def settings(base: Path, chats: Path, out: Path, **kw) -> dict:
+    """A short eagle run: 21 training conversations, so a step of 4 leaves one for the last step (one rank idle)."""
+    return {"base_model": str(base), "dtype": "float32", "family": "eagle", "data": str(chats), "max_examples": 21, "max_length": 64,
+            "heldout_fraction": 0.1, "output_dir": str(out), "epochs": 2, "batch_size": 2, "learning_rate": 1e-2,
+            "warmup_steps": 1, "save_every": 2, "eval_examples": 6, "seed": 0, **kw}
+
+
+def flags(values: dict) -> list[str]:
+    out = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                out += [flag.removesuffix("s"), f"{k}={json.dumps(v)}"]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def two_ranks(values: dict, die_after: int | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node 2`` of the training script (gloo, one thread per rank)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            str(HERE / "train_ranks.py"), *(["--die-after-step", str(die_after)] if die_after else []), *flags(values)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "TQDM_DISABLE": "1"}
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+
+def heads_of(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "heads" / "heads.safetensors"))
+
+
+def log_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_train_what_one_process_trains_with_twice_the_batch(base: Path, chats: Path, tmp_path: Path):
+    one = train(TrainConfig(**settings(base, chats, tmp_path / "one", batch_size=4)))
+    run = two_ranks(settings(base, chats, tmp_path / "two"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = heads_of(tmp_path / "one"), heads_of(tmp_path / "two")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    moved = max((a[k] - load_file(str(one / "heads.safetensors"))[k]).abs().max() for k in a)
+    assert moved == 0
+    steps_one = [r for r in log_rows(tmp_path / "one") if "loss" in r]
+    steps_two = [r for r in log_rows(tmp_path / "two") if "loss" in r]
+    assert [r["tokens"] for r in steps_one] == [r["tokens"] for r in steps_two]  # the same examples, step by step
+    assert [r["loss"] for r in steps_two] == pytest.approx([r["loss"] for r in steps_one], rel=1e-4)
+    # the held-out metric is counted over both ranks' shares: the same as one process's
+    evals = [[r["heldout_top1_by_depth"] for r in log_rows(tmp_path / d) if "heldout_top1_by_depth" in r]
+             for d in ("one", "two")]
+    assert evals[0] == evals[1] and len(evals[0]) == 2
+    # the feature cache two ranks built holds the tensors one process wrote
+    shards = sorted(p.name for p in (tmp_path / "one" / "features").glob("shard-*"))
+    assert shards == sorted(p.name for p in (tmp_path / "two" / "features").glob("*") if p.name.startswith("shard-"))
+    for name in shards:
+        with safe_open(str(tmp_path / "one" / "features" / name), "pt") as x, \
+                safe_open(str(tmp_path / "two" / "features" / name), "pt") as y:
+            assert set(x.keys()) == set(y.keys())
+            assert all(torch.equal(x.get_tensor(k), y.get_tensor(k)) for k in x.keys())
+    # one of everything: one log line per step, one checkpoint per save, one card, the folder printed once
+    assert [r["step"] for r in steps_two] == list(range(1, len(steps_two) + 1))
+    saved = sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir())
+    assert saved == sorted(f"step-{s}" for s in range(2, len(steps_two) + 1, 2))  # no leftover .tmp folder
+    assert (tmp_path / "two" / "heads" / "README.md").is_file()
+    printed = run.stdout.strip().splitlines()  # by the main process only
+    assert printed == [line for line in printed if line.startswith("epoch ")] + [str(tmp_path / "two" / "heads")]
+    assert [line.split(":")[0] for line in printed[:-1]] == ["epoch 0", "epoch 1"]
+    assert json.loads((tmp_path / "two" / "train_config.json").read_text())["num_processes"] == 2
+
+
+def test_a_killed_two_process_run_resumes_to_the_uninterrupted_weights(base: Path, chats: Path, tmp_path: Path):
+    full = two_ranks(settings(base, chats, tmp_path / "full", save_every=1))
+    assert full.returncode == 0, full.stderr[-3000:]
+    cut = two_ranks(settings(base, chats, tmp_path / "cut", save_every=1), die_after=3)  # mid-epoch 0 (6 steps)
+    assert cut.returncode != 0 and not (tmp_path / "cut" / "heads").exists()
+    resumed = two_ranks(settings(base, chats, tmp_path / "cut", save_every=1, resume=True))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = heads_of(tmp_path / "full"), heads_of(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses = {d: {r["step"]: r["loss"] for r in log_rows(tmp_path / d) if "loss" in r} for d in ("full", "cut")}
+    assert losses["cut"] == losses["full"]  # steps 4.. logged by the resumed run, 1..3 by the killed one
+    # resuming the two-process run in one process is refused in one line
+    with pytest.raises(SelfspecError, match="ran with 2 processes, this launch has 1"):
+        train(TrainConfig(**settings(base, chats, tmp_path / "cut", save_every=1, resume=True)))
+
+
+@pytest.mark.parametrize("count,batch,world", [(21, 2, 2), (20, 2, 2), (17, 3, 4), (5, 4, 2), (9, 1, 3)])
+def test_ranks_split_every_epoch_without_overlap(count: int, batch: int, world: int) -> None:
+    """Each example once per epoch over all ranks and steps; every rank's share of a step differs from the others'
+    and together they are the step one process of batch world x batch takes."""
+    for epoch in range(2):
+        order, seen = epoch_order(count, 7, epoch), []
+        for step in range(steps_per_epoch(count, batch * world)):
+            examples = step_examples(order, step, batch * world)
+            shares = [sum(rank_micro_batches(examples, batch, r, world), []) for r in range(world)]
+            assert sorted(sum(shares, [])) == sorted(examples)
+            assert all(len(mb) <= batch for r in range(world) for mb in rank_micro_batches(examples, batch, r, world))
+            seen += sum(shares, [])
+        assert sorted(seen) == list(range(count))
+    assert epoch_order(count, 7, 0) != epoch_order(count, 7, 1) or count < 3
+
+
+def test_gradient_accumulation_steps_as_a_larger_batch(base: Path, chats: Path, tmp_path: Path) -> None:
+    """The loss is divided once by the loss tokens of the whole step: two micro-batches of 2 accumulated step as one
+    batch of 4 (a token weighs the same whatever micro-batch it lands in)."""
+    train(TrainConfig(**settings(base, chats, tmp_path / "big", batch_size=4, epochs=1)))
+    train(TrainConfig(**settings(base, chats, tmp_path / "acc", batch_size=2, gradient_accumulation_steps=2, epochs=1)))
+    a, b = heads_of(tmp_path / "big"), heads_of(tmp_path / "acc")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+
+
+def test_a_family_is_checked_when_it_registers() -> None:
+    from dataclasses import replace
+
+    from selfspec.heads import FAMILIES, register_family
+
+    eagle = FAMILIES["eagle"]
+    with pytest.raises(SelfspecError, match="already registered"):
+        register_family("eagle", config=eagle.config, module=eagle.module, drafter=eagle.drafter,
+                        objective=eagle.objective)
+    with pytest.raises(SelfspecError, match="objective lacks loss"):
+        register_family("eagle", config=eagle.config, module=eagle.module, drafter=eagle.drafter,
+                        objective=replace(eagle.objective, loss=None))
+    with pytest.raises(SelfspecError, match="whose family is 'eagle-x'"):
+        register_family("eagle-x", config=eagle.config, module=eagle.module, drafter=eagle.drafter,
+                        objective=eagle.objective)
+    assert "eagle-x" not in FAMILIES
+
+
+def test_loss_settings_are_the_familys_own(tmp_path: Path) -> None:
+    assert TrainConfig(family="eagle", loss_args={"unroll": 4}).loss.unroll == 4
+    with pytest.raises(SelfspecError, match=r"unknown medusa loss settings \['unroll'\]"):
+        TrainConfig(family="medusa", loss_args={"unroll": 4})
+    with pytest.raises(SelfspecError, match="unroll must be >= 1"):
+        TrainConfig(family="eagle3", loss_args={"unroll": 0})
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"family": "eagle", "eagle_unroll": 4}))
+    from selfspec.train.config import parse_config
+
+    with pytest.raises(SelfspecError, match="eagle_unroll -> unroll"):
+        parse_config(["--config", str(old)])
