@@ -314,6 +314,15 @@ def write_heads(cfg: TrainConfig, accelerator, heads, target, tokenizer, out: Pa
     return final
 
 
+def check_distribution(accelerator) -> None:
+    """One process or DDP: FSDP and DeepSpeed would shard the heads, which this loop saves whole, and on heads of a
+    few MB they save little (training/README.md: 16 bytes per parameter under DDP, the target held whole anyway)."""
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        raise SelfspecError(f"training heads runs in one process or with DDP, not {kind}: launch with "
+                            "training/accelerate/multi_gpu.yaml (or accelerate config: multi-GPU)")
+
+
 def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=None) -> Path:
     """Run (or resume) one training run; returns the folder of the trained heads checkpoint.
 
@@ -326,6 +335,7 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     check_data(cfg)  # before the model loads
     # gradient accumulation is the loop's own (train_step): every micro-batch of a step is known before its first
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    check_distribution(accelerator)
     target, tokenizer = frozen_target(cfg, accelerator, target, tokenizer)
     set_seed(cfg.seed)  # after loading: the heads start the same however the target was loaded (or passed in)
     heads = starting_heads(cfg, target, tokenizer)
