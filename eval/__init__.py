@@ -9,4 +9,6 @@
     bench.py     the command (``selfspec bench``, options shared through ``selfspec.options``): runs everything
                  interleaved, resumable, and writes the report
     vllm_client.py  vLLM's methods: a worker process in vLLM's own environment (vllm_worker.py)
+    gpu_check.py the prepared GPU run (``make gpu-check``): CUDA tests, compiled pass, heads training, benches;
+                 smoke size on a CPU; its report: gpu_report.py
 """

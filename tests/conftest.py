@@ -58,7 +58,7 @@ def tiny_model(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 32
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int, eos: int | None = None) -> list[int]:
     """Reference: transformers' own greedy decoding (new tokens only, no padding)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
                          eos_token_id=eos, pad_token_id=0, temperature=None, top_p=None, top_k=None)
     new = out[0, len(prompt):].tolist()

@@ -73,7 +73,7 @@ def two_ranks(values: dict, die_after: int | None = None) -> subprocess.Complete
     """``torchrun --standalone --nproc_per_node 2`` of the training script (gloo, one thread per rank)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
             str(HERE / "train_ranks.py"), *(["--die-after-step", str(die_after)] if die_after else []), *flags(values)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # what users run: nothing tells accelerate it is on a CPU
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -131,11 +131,12 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(family
 
 
 def test_a_killed_two_process_run_resumes_to_the_uninterrupted_weights(base: Path, chats: Path, tmp_path: Path):
-    full = two_ranks(settings(base, chats, tmp_path / "full", save_every=1))
+    kw = {"save_every": 1, "dtype": "bfloat16"}  # a bf16 target under float32 heads, as on a real CPU run
+    full = two_ranks(settings(base, chats, tmp_path / "full", **kw))
     assert full.returncode == 0, full.stderr[-3000:]
-    cut = two_ranks(settings(base, chats, tmp_path / "cut", save_every=1), die_after=3)  # mid-epoch 0 (6 steps)
+    cut = two_ranks(settings(base, chats, tmp_path / "cut", **kw), die_after=3)  # mid-epoch 0 (6 steps)
     assert cut.returncode != 0 and not (tmp_path / "cut" / "heads").exists()
-    resumed = two_ranks(settings(base, chats, tmp_path / "cut", save_every=1, resume=True))
+    resumed = two_ranks(settings(base, chats, tmp_path / "cut", **kw, resume=True))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = heads_of(tmp_path / "full"), heads_of(tmp_path / "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -143,7 +144,7 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_weights(base: Pat
     assert losses["cut"] == losses["full"]  # steps 4.. logged by the resumed run, 1..3 by the killed one
     # resuming the two-process run in one process is refused in one line
     with pytest.raises(SelfspecError, match="ran with 2 processes, this launch has 1"):
-        train(TrainConfig(**settings(base, chats, tmp_path / "cut", save_every=1, resume=True)))
+        train(TrainConfig(**settings(base, chats, tmp_path / "cut", **kw, resume=True)))
 
 
 @pytest.mark.parametrize("count,batch,world", [(21, 2, 2), (20, 2, 2), (17, 3, 4), (5, 4, 2), (9, 1, 3)])

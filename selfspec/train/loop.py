@@ -72,10 +72,11 @@ def check_data(cfg: TrainConfig, look: int = 200) -> None:
 
 
 def with_features(batch: dict[str, torch.Tensor], target, heads) -> dict[str, torch.Tensor]:
-    """Add the target's states to a batch unless they came from the feature cache."""
+    """Add the target's states to a batch unless they came from the feature cache (float32, as the cache gives them)."""
     if all(k in batch for k in feature_keys(heads)):
         return batch
-    return {**batch, **target_features(target, heads, batch["input_ids"], batch["attention_mask"])}
+    states = target_features(target, heads, batch["input_ids"], batch["attention_mask"])
+    return {**batch, **{k: v.float() for k, v in states.items()}}
 
 
 EVAL_DEPTH = 4
@@ -127,7 +128,8 @@ def check_resumable(cfg: TrainConfig, accelerator, out: Path) -> None:
         raise SelfspecError(f"cannot resume {out}: it ran with {before.get('num_processes', 1)} processes, this launch "
                             f"has {now['num_processes']}; launch as many (e.g. torchrun --nproc_per_node "
                             f"{before.get('num_processes', 1)}) or use a new --output-dir")
-    differ = sorted(k for k in now if k not in ("resume", "max_steps") and before.get(k) != now[k])
+    default = config_dict(TrainConfig(family=cfg.family))  # a field the run predates had its default value
+    differ = sorted(k for k in now if k not in ("resume", "max_steps") and before.get(k, default.get(k)) != now[k])
     if differ:
         raise SelfspecError(f"cannot resume {out}: settings changed since it started ({', '.join(differ)}); "
                             "use the original settings or a new --output-dir")
@@ -334,7 +336,8 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     out = Path(cfg.output_dir)
     check_data(cfg)  # before the model loads
     # gradient accumulation is the loop's own (train_step): every micro-batch of a step is known before its first
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    # cpu: torchrun's processes on a machine without an accelerator form a gloo group (else each trains alone)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.accelerator.is_available())
     check_distribution(accelerator)
     target, tokenizer = frozen_target(cfg, accelerator, target, tokenizer)
     set_seed(cfg.seed)  # after loading: the heads start the same however the target was loaded (or passed in)
