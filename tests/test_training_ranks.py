@@ -77,6 +77,15 @@ def two_ranks(values: dict, die_after: int | None = None) -> subprocess.Complete
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
 
 
+def two_ranks_fsdp(values: dict) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file training/accelerate/fsdp.yaml`` of the training script, FSDP2 on the CPU."""
+    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(HERE.parent / "training" / "accelerate" / "fsdp.yaml"), "--num_processes", "2",
+            "--main_process_port", str(free_port()), str(HERE / "train_ranks.py"), "--fsdp-on-cpu", *flags(values)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+
+
 def heads_of(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "heads" / "heads.safetensors"))
 
@@ -127,7 +136,8 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(family
     printed = run.stdout.strip().splitlines()  # by the main process only
     assert printed == [line for line in printed if line.startswith("epoch ")] + [str(tmp_path / "two" / "heads")]
     assert [line.split(":")[0] for line in printed[:-1]] == ["epoch 0", "epoch 1"]
-    assert json.loads((tmp_path / "two" / "train_config.json").read_text())["num_processes"] == 2
+    recorded = json.loads((tmp_path / "two" / "train_config.json").read_text())
+    assert (recorded["num_processes"], recorded["distribution"]) == (2, "MULTI_CPU")
 
 
 def test_a_killed_two_process_run_resumes_to_the_uninterrupted_weights(base: Path, chats: Path, tmp_path: Path):
@@ -205,7 +215,25 @@ def test_loss_settings_are_the_familys_own(tmp_path: Path) -> None:
         parse_config(["--config", str(old)])
 
 
-@pytest.mark.parametrize("name,kind", [("single_gpu", "NO"), ("multi_gpu", "MULTI_GPU")])
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_fsdp2_trains_what_one_process_does(family: str, base: Path, chats: Path, tmp_path: Path) -> None:
+    """training/accelerate/fsdp.yaml on a CPU device mesh (gloo): the heads sharded over two ranks end as one
+    process's with twice the batch (eagle3's LM head called outside its forward included), and are saved whole."""
+    kw = {"family": family, "head_args": HEAD_ARGS[family], "epochs": 1}
+    train(TrainConfig(**settings(base, chats, tmp_path / "one", batch_size=4, **kw)))
+    run = two_ranks_fsdp(settings(base, chats, tmp_path / "fsdp", **kw))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "fsdp" / "train_config.json").read_text())["distribution"] == "FSDP"
+    a, b = heads_of(tmp_path / "one"), heads_of(tmp_path / "fsdp")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    evals = [[r["heldout_top1_by_depth"] for r in log_rows(tmp_path / d) if "heldout_top1_by_depth" in r]
+             for d in ("one", "fsdp")]
+    assert evals[0] == evals[1]
+
+
+@pytest.mark.parametrize("name,kind", [("single_gpu", "NO"), ("multi_gpu", "MULTI_GPU"), ("fsdp", "FSDP")])
 def test_the_launch_configurations_load(name: str, kind: str) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -213,7 +241,7 @@ def test_the_launch_configurations_load(name: str, kind: str) -> None:
     assert str(config.distributed_type).split(".")[-1] == kind
 
 
-def test_sharded_training_is_refused_in_one_line() -> None:
+def test_fsdp1_and_deepspeed_are_refused_in_one_line() -> None:
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -221,5 +249,6 @@ def test_sharded_training_is_refused_in_one_line() -> None:
     from selfspec.train.loop import check_distribution
 
     check_distribution(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))
-    with pytest.raises(SelfspecError, match="one process or with DDP, not FSDP"):
-        check_distribution(SimpleNamespace(distributed_type=DistributedType.FSDP))
+    check_distribution(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))
+    with pytest.raises(SelfspecError, match="not FSDP version 1"):
+        check_distribution(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))

@@ -4,8 +4,8 @@
         --data sharegpt --output-dir runs/smollm2-eagle
     python training/train_heads.py --config training/configs/smollm2-eagle.json --resume
 
-Every flag is a field of selfspec.train.config.TrainConfig (see --help). Several GPUs or nodes: DDP through
-accelerate (training/accelerate/*.yaml, or `accelerate config`); several processes on one CPU machine:
+Every flag is a field of selfspec.train.config.TrainConfig (see --help). Several GPUs or nodes: DDP (or FSDP2)
+through accelerate (training/accelerate/*.yaml, or `accelerate config`); several processes on one CPU machine:
 `torchrun --standalone --nproc_per_node N`. training/README.md has the exact commands.
 """
 

@@ -8,15 +8,18 @@
     -> write_heads (selfspec heads format, model card; the main process only)
 
 One process or several (``accelerate launch``, ``torchrun``): only the heads are wrapped for data parallelism
-(DDP; the frozen target sits on every process outside it), the processes split each step's examples without
-overlap, and N processes of batch b train exactly what one process of batch N x b does. Resuming restores the
-heads, optimizer, schedule and RNG states (``accelerator.load_state``) and starts at the next step of the same
-order, so a resumed run ends with the weights of an uninterrupted one; it must use the same number of processes.
+(DDP, or FSDP2 sharding their gradients and optimizer state; the frozen target sits on every process outside
+it), the processes split each step's examples without overlap, and N processes of batch b train exactly what
+one process of batch N x b does. Resuming restores the heads, optimizer, schedule and RNG states
+(``accelerator.load_state``) and starts at the next step of the same order, so a resumed run ends with the
+weights of an uninterrupted one; it must use the same number of processes.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -84,17 +87,25 @@ EVAL_DEPTH = 4
 
 def evaluate(cfg: TrainConfig, accelerator, heads, target, examples: list[dict[str, torch.Tensor]]) -> list[float]:
     """Held-out top-1 accuracy per draft depth (1 .. EVAL_DEPTH): each process scores every N-th example, the
-    counts are summed over the processes."""
+    counts are summed over the processes. Every process runs as many batches (a short share ends on a weightless
+    one: under FSDP each forward gathers the weights from all processes)."""
     heads.eval()
     counts = torch.zeros(2, EVAL_DEPTH, dtype=torch.long, device=accelerator.device)
     mine = examples[accelerator.process_index::accelerator.num_processes]
-    for i in range(0, len(mine), cfg.batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in pad_batch(mine[i:i + cfg.batch_size]).items()}
+    batches = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / cfg.batch_size)
+    for i in range(batches):
+        items = mine[i * cfg.batch_size:(i + 1) * cfg.batch_size] or [weightless(examples[0])]
+        batch = {k: v.to(accelerator.device) for k, v in pad_batch(items).items()}
         c, t = depth_accuracy(heads, target, with_features(batch, target, heads), EVAL_DEPTH)
         counts += torch.tensor([c, t], device=accelerator.device)
     heads.train()
     correct, total = accelerator.reduce(counts, "sum").tolist()
     return [c / t for c, t in zip(correct, total) if t]
+
+
+def weightless(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``example`` that counts for nothing (loss mask 0): for a process with no share of a step."""
+    return {**example, "loss_mask": torch.zeros_like(example["loss_mask"])}
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -114,8 +125,10 @@ def save_checkpoint(accelerator, out: Path, step: int) -> None:
 
 
 def run_settings(cfg: TrainConfig, accelerator) -> dict:
-    """What ``train_config.json`` records: the config, and the number of processes (steps depend on it)."""
-    return {**config_dict(cfg), "num_processes": accelerator.num_processes}
+    """What ``train_config.json`` records: the config, the number of processes (steps depend on it) and how they
+    share the heads (NO, MULTI_CPU/MULTI_GPU: DDP, FSDP: the checkpoints' layout depends on it)."""
+    return {**config_dict(cfg), "num_processes": accelerator.num_processes,
+            "distribution": str(accelerator.distributed_type).split(".")[-1]}
 
 
 def check_resumable(cfg: TrainConfig, accelerator, out: Path) -> None:
@@ -140,6 +153,7 @@ class Prepared:
     """What the loop steps: accelerate's prepared heads and optimizer, the schedule, the data and its steps."""
 
     heads: torch.nn.Module
+    unwrapped: torch.nn.Module  # a plain copy, made before accelerate wrapped or sharded them: what is saved
     optimizer: torch.optim.Optimizer
     scheduler: object
     train_set: torch.utils.data.Dataset
@@ -214,9 +228,11 @@ def prepare(cfg: TrainConfig, accelerator, heads, train_set, eval_examples: list
     per_epoch = steps_per_epoch(len(train_set), global_batch)
     total_steps = per_epoch * cfg.epochs
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, total_steps)
+    unwrapped = copy.deepcopy(heads)
     heads, optimizer = accelerator.prepare(heads, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped here once per optimizer step, not by accelerate
-    return Prepared(heads, optimizer, scheduler, train_set, eval_examples, global_batch, per_epoch, total_steps)
+    return Prepared(heads, unwrapped, optimizer, scheduler, train_set, eval_examples, global_batch, per_epoch,
+                    total_steps)
 
 
 def resume(cfg: TrainConfig, accelerator, out: Path) -> int:
@@ -246,8 +262,7 @@ def step_batches(cfg: TrainConfig, accelerator, run: Prepared, epoch: int, step:
     if micro:
         batches = [pad_batch([run.train_set[i] for i in ids]) for ids in micro]
     else:  # a short last step left this process nothing: take part with a copy that weighs nothing
-        ex = run.train_set[examples[0]]
-        batches = [pad_batch([{**ex, "loss_mask": torch.zeros_like(ex["loss_mask"])}])]
+        batches = [pad_batch([weightless(run.train_set[examples[0]])])]
     return [{k: v.to(accelerator.device) for k, v in b.items()} for b in batches]
 
 
@@ -304,25 +319,32 @@ def run_epochs(cfg: TrainConfig, accelerator, run: Prepared, target, out: Path, 
     bar.close()
 
 
-def write_heads(cfg: TrainConfig, accelerator, heads, target, tokenizer, out: Path, examples: int) -> Path:
-    """``OUT/heads``: the trained heads in the selfspec format, with a model card and the run's settings."""
-    accelerator.wait_for_everyone()
+def write_heads(cfg: TrainConfig, accelerator, run: Prepared, target, tokenizer, out: Path, examples: int) -> Path:
+    """``OUT/heads``: the trained heads in the selfspec format, with a model card and the run's settings. The
+    weights are gathered whole (sharded under FSDP) into an unwrapped copy of the heads, saved by the main process."""
+    state = accelerator.get_state_dict(run.heads)  # every process takes part; the main one gets it all
     final = out / "heads"
     if accelerator.is_main_process:
-        heads = accelerator.unwrap_model(heads)
+        heads = run.unwrapped
+        heads.load_state_dict(state)
         save_heads(heads, target, final, tokenizer=tokenizer, base_name=cfg.base_model)
         (final / "README.md").write_text(model_card(cfg, out / "log.jsonl", examples, heads, accelerator.num_processes))
         (final / "train_config.json").write_text(json.dumps(run_settings(cfg, accelerator), indent=2))
+    accelerator.wait_for_everyone()
     return final
 
 
 def check_distribution(accelerator) -> None:
-    """One process or DDP: FSDP and DeepSpeed would shard the heads, which this loop saves whole, and on heads of a
-    few MB they save little (training/README.md: 16 bytes per parameter under DDP, the target held whole anyway)."""
+    """One process, DDP, or FSDP2 (``training/accelerate/fsdp.yaml``). FSDP1 and DeepSpeed are refused: their
+    full sharding splits the weights again after each forward, and the eagle3 loss calls the head's LM head
+    outside its forward."""
     kind = str(accelerator.distributed_type).split(".")[-1]
+    if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
+        return
     if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        raise SelfspecError(f"training heads runs in one process or with DDP, not {kind}: launch with "
-                            "training/accelerate/multi_gpu.yaml (or accelerate config: multi-GPU)")
+        raise SelfspecError(f"training heads runs in one process, with DDP or with FSDP2, not {kind}"
+                            f"{' version 1' if kind == 'FSDP' else ''}: launch with training/accelerate/multi_gpu.yaml "
+                            "or fsdp.yaml")
 
 
 def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=None) -> Path:
@@ -355,4 +377,4 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(run_settings(cfg, accelerator), indent=2))
     run_epochs(cfg, accelerator, run, target, out, step)
-    return write_heads(cfg, accelerator, run.heads, target, tokenizer, out, len(train_ex))
+    return write_heads(cfg, accelerator, run, target, tokenizer, out, len(train_ex))
