@@ -60,6 +60,9 @@ class SpeculativeEngine:
                                 f"{self.target.name} target pass runs ({buckets[-1]}): lower --max-nodes")
 
     def prompt_tensor(self, prompt: torch.Tensor | list[int]) -> torch.Tensor:
+        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], str)):
+            raise SelfspecError("the prompt must be token ids, not text: tokenize it first (tokenizer.encode, or "
+                                "tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))")
         ids = torch.as_tensor(prompt, dtype=torch.long).cpu()
         if ids.dim() == 2:
             if ids.shape[0] != 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,8 @@ def chats(tmp_path_factory) -> Path:
 
 def settings(base: Path, chats: Path, out: Path, **kw) -> dict:
     """A short eagle run: 21 training conversations, so a step of 4 leaves one for the last step (one rank idle)."""
-    return {"base_model": str(base), "dtype": "float32", "family": "eagle", "data": str(chats), "max_examples": 21, "max_length": 64,
-            "heldout_fraction": 0.1, "output_dir": str(out), "epochs": 2, "batch_size": 2, "learning_rate": 1e-2,
+    return {"base_model": str(base), "dtype": "float32", "family": "eagle", "data": str(chats), "max_examples": 21,
+            "max_length": 64, "heldout_fraction": 0.1, "output_dir": str(out), "epochs": 2, "batch_size": 2, "learning_rate": 1e-2,
             "warmup_steps": 1, "save_every": 2, "eval_examples": 6, "seed": 0, **kw}
 
 
@@ -69,21 +70,44 @@ def flags(values: dict) -> list[str]:
     return out
 
 
+SHARD = 4  # feature-cache shards of 4 conversations: the two ranks each build several
+
+
+def launch(argv: list[str]) -> subprocess.CompletedProcess:
+    """Run a launcher and its ranks (one thread each; nothing tells accelerate it is on a CPU, as for users); a
+    launch that hangs is killed with every rank it started."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += "\n(killed after 300 s)"
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def two_ranks(values: dict, die_after: int | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node 2`` of the training script (gloo, one thread per rank)."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            str(HERE / "train_ranks.py"), *(["--die-after-step", str(die_after)] if die_after else []), *flags(values)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # what users run: nothing tells accelerate it is on a CPU
-    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    """``torchrun --nproc_per_node 2`` of the training script (gloo)."""
+    return launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(HERE / "train_ranks.py"), "--shard-size", str(SHARD),
+                   *(["--die-after-step", str(die_after)] if die_after else []), *flags(values)])
 
 
 def two_ranks_fsdp(values: dict) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file training/accelerate/fsdp.yaml`` of the training script, FSDP2 on the CPU."""
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(HERE.parent / "training" / "accelerate" / "fsdp.yaml"), "--num_processes", "2",
-            "--main_process_port", str(free_port()), str(HERE / "train_ranks.py"), "--fsdp-on-cpu", *flags(values)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    return launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(HERE.parent / "training" / "accelerate" / "fsdp.yaml"), "--num_processes", "2",
+                   "--main_process_port", str(free_port()), str(HERE / "train_ranks.py"), "--fsdp-on-cpu",
+                   "--shard-size", str(SHARD), *flags(values)])
+
+
+def train_here(values: dict, monkeypatch) -> Path:
+    """One process, in this one (its feature-cache shards as the ranks'): the reference."""
+    import selfspec.train.features as features
+
+    monkeypatch.setattr(features, "SHARD", SHARD)
+    return train(TrainConfig(**values))
 
 
 def heads_of(out: Path) -> dict[str, torch.Tensor]:
@@ -100,10 +124,10 @@ HEAD_ARGS = {"eagle": {}, "eagle3": {"draft_vocab_size": 100}, "medusa": {"num_h
 
 @pytest.mark.parametrize("family", list(HEAD_ARGS))
 def test_two_processes_train_what_one_process_trains_with_twice_the_batch(family: str, base: Path, chats: Path,
-                                                                          tmp_path: Path):
+                                                                          tmp_path: Path, monkeypatch):
     """Every family (DDP needs each parameter in every step's loss, short batches and idle ranks included)."""
     kw = {"family": family, "head_args": HEAD_ARGS[family]}
-    one = train(TrainConfig(**settings(base, chats, tmp_path / "one", batch_size=4, **kw)))
+    one = train_here(settings(base, chats, tmp_path / "one", batch_size=4, **kw), monkeypatch)
     run = two_ranks(settings(base, chats, tmp_path / "two", **kw))
     assert run.returncode == 0, run.stderr[-3000:]
     a, b = heads_of(tmp_path / "one"), heads_of(tmp_path / "two")
@@ -120,8 +144,9 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(family
     evals = [[r["heldout_top1_by_depth"] for r in log_rows(tmp_path / d) if "heldout_top1_by_depth" in r]
              for d in ("one", "two")]
     assert evals[0] == evals[1] and len(evals[0]) == 2
-    # the feature cache two ranks built holds the tensors one process wrote
+    # the feature cache two ranks built (each its share of the shards) holds the tensors one process wrote
     shards = sorted(p.name for p in (tmp_path / "one" / "features").glob("shard-*"))
+    assert len(shards) == 6
     assert shards == sorted(p.name for p in (tmp_path / "two" / "features").glob("*") if p.name.startswith("shard-"))
     for name in shards:
         with safe_open(str(tmp_path / "one" / "features" / name), "pt") as x, \
@@ -132,7 +157,7 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(family
     assert [r["step"] for r in steps_two] == list(range(1, len(steps_two) + 1))
     saved = sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir())
     assert saved == sorted(f"step-{s}" for s in range(2, len(steps_two) + 1, 2))  # no leftover .tmp folder
-    assert (tmp_path / "two" / "heads" / "README.md").is_file()
+    assert "x 2 processes" in (tmp_path / "two" / "heads" / "README.md").read_text()
     printed = run.stdout.strip().splitlines()  # by the main process only
     assert printed == [line for line in printed if line.startswith("epoch ")] + [str(tmp_path / "two" / "heads")]
     assert [line.split(":")[0] for line in printed[:-1]] == ["epoch 0", "epoch 1"]
@@ -153,8 +178,9 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_weights(base: Pat
     losses = {d: {r["step"]: r["loss"] for r in log_rows(tmp_path / d) if "loss" in r} for d in ("full", "cut")}
     assert losses["cut"] == losses["full"]  # steps 4.. logged by the resumed run, 1..3 by the killed one
     # resuming the two-process run in one process is refused in one line
-    with pytest.raises(SelfspecError, match="ran with 2 processes, this launch has 1"):
-        train(TrainConfig(**settings(base, chats, tmp_path / "cut", **kw, resume=True)))
+    with pytest.raises(SelfspecError, match="ran with 2 processes, this launch has 1") as refused:
+        train(TrainConfig(**settings(base, chats, tmp_path / "cut", **kw, resume=True, base_model="no/such-model")))
+    assert "\n" not in str(refused.value)  # one line, and before the model loads (there is none to load)
 
 
 @pytest.mark.parametrize("count,batch,world", [(21, 2, 2), (20, 2, 2), (17, 3, 4), (5, 4, 2), (9, 1, 3)])
@@ -181,6 +207,37 @@ def test_gradient_accumulation_steps_as_a_larger_batch(base: Path, chats: Path, 
     a, b = heads_of(tmp_path / "big"), heads_of(tmp_path / "acc")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(HEAD_ARGS))
+def test_a_padded_batchs_loss_is_the_sum_of_its_rows(family: str) -> None:
+    """What makes the step independent of how its examples are split: every family's loss of a right-padded batch is
+    the sum of its rows' losses alone (a padded row's last token has no next token, as a lone row's has none)."""
+    from selfspec.heads import init_heads
+    from selfspec.train.features import pad_batch
+    from selfspec.train.objectives import head_loss, loss_settings, prepare_heads, target_features
+
+    target = tiny_model(0, vocab=VOCAB, layers=2)
+    heads = init_heads(family, target, **HEAD_ARGS[family]).float()
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for length in (9, 14, 6, 11):
+        mask = torch.zeros(length, dtype=torch.long)
+        mask[3:] = 1
+        rows.append({"input_ids": torch.randint(0, VOCAB, (length,), generator=g), "loss_mask": mask})
+    prepare_heads(heads, target, rows)
+    if family == "eagle3":  # the padding's token 0 not draftable, the rows' own tokens all
+        heads.set_draft_vocab(torch.zeros(VOCAB).index_fill(0, torch.cat([r["input_ids"] for r in rows]), 1) -
+                              torch.nn.functional.one_hot(torch.tensor(0), VOCAB))
+    args = loss_settings(family, {})
+
+    def loss(items):
+        batch = pad_batch(items)
+        batch.update(target_features(target, heads, batch["input_ids"], batch["attention_mask"]))
+        return head_loss(heads, target, batch, args)[0]
+
+    with torch.no_grad():
+        torch.testing.assert_close(loss(rows), sum(loss([r]) for r in rows), rtol=1e-5, atol=1e-4)
 
 
 def test_a_family_is_checked_when_it_registers() -> None:
@@ -216,12 +273,13 @@ def test_loss_settings_are_the_familys_own(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", ["eagle3", "medusa"])
-def test_fsdp2_trains_what_one_process_does(family: str, base: Path, chats: Path, tmp_path: Path) -> None:
-    """training/accelerate/fsdp.yaml on a CPU device mesh (gloo): the heads sharded over two ranks end as one
-    process's with twice the batch (eagle3's LM head called outside its forward included), and are saved whole."""
+def test_fsdp2_trains_what_one_process_does(family: str, base: Path, chats: Path, tmp_path: Path, monkeypatch):
+    """training/accelerate/fsdp.yaml on a CPU device mesh (gloo): the heads sharded over two ranks, two micro-batches
+    of one accumulated per step, end as one process's with a batch of four (eagle3's LM head called outside its
+    forward included; the short last step leaves one rank a weightless micro-batch), and are saved whole."""
     kw = {"family": family, "head_args": HEAD_ARGS[family], "epochs": 1}
-    train(TrainConfig(**settings(base, chats, tmp_path / "one", batch_size=4, **kw)))
-    run = two_ranks_fsdp(settings(base, chats, tmp_path / "fsdp", **kw))
+    train_here(settings(base, chats, tmp_path / "one", batch_size=4, **kw), monkeypatch)
+    run = two_ranks_fsdp(settings(base, chats, tmp_path / "fsdp", batch_size=1, gradient_accumulation_steps=2, **kw))
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((tmp_path / "fsdp" / "train_config.json").read_text())["distribution"] == "FSDP"
     a, b = heads_of(tmp_path / "one"), heads_of(tmp_path / "fsdp")
@@ -250,5 +308,7 @@ def test_fsdp1_and_deepspeed_are_refused_in_one_line() -> None:
 
     check_distribution(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))
     check_distribution(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True))
-    with pytest.raises(SelfspecError, match="not FSDP version 1"):
-        check_distribution(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
+    for kind, name in ((DistributedType.FSDP, "FSDP version 1"), (DistributedType.DEEPSPEED, "DEEPSPEED")):
+        with pytest.raises(SelfspecError, match=f"not {name}") as refused:
+            check_distribution(SimpleNamespace(distributed_type=kind, is_fsdp2=False))
+        assert "\n" not in str(refused.value)

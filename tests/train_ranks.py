@@ -1,9 +1,11 @@
 """Run ``training/train_heads.py`` in each process of a ``torchrun`` launch (tests/test_training_ranks.py).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/train_ranks.py [--die-after-step N] FLAGS
+    python -m torch.distributed.run --nproc_per_node 2 --master_port PORT tests/train_ranks.py [OPTIONS] FLAGS
 
 ``--die-after-step N``: the launch is killed (SIGKILL, no cleanup) right after checkpoint ``step-N`` is written,
 as a crash or a preempted job would end it; torchrun then stops the other process.
+
+``--shard-size N``: feature-cache shards of N conversations (64 by default), so that a small run has several.
 
 ``--fsdp-on-cpu`` (under ``accelerate launch --config_file training/accelerate/fsdp.yaml``): accelerate runs FSDP
 on accelerators only and falls back to DDP on a CPU; this lets its FSDP2 path run on the CPU's gloo group
@@ -56,6 +58,11 @@ if __name__ == "__main__":
     if argv[:1] == ["--fsdp-on-cpu"]:
         fsdp_on_cpu()
         argv = argv[1:]
+    if argv[:1] == ["--shard-size"]:
+        import selfspec.train.features as features
+
+        features.SHARD = int(argv[1])
+        argv = argv[2:]
     if argv[:1] == ["--die-after-step"]:
         die_after(int(argv[1]))
         argv = argv[2:]

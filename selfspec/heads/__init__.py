@@ -3,8 +3,11 @@
 Each family is a config dataclass (``config.py``), a module holding only the trained weights, a
 :class:`~selfspec.drafters.base.Drafter` that joins the module to the target's frozen embeddings,
 layers, norm and LM head, and its training objective (``selfspec/train/<family>.py``), registered together by one
-:func:`register_family` call, as peft registers a method. ``init_heads`` makes an untrained module; ``selfspec.checkpoint`` (above this
-package: nothing here imports it) saves and loads trained ones.
+:func:`register_family` call, as peft registers a method. ``init_heads`` makes an untrained module;
+``selfspec.checkpoint`` (above this package: nothing here imports it) saves and loads trained ones.
+
+The registry imports the objectives (``selfspec.train.<family>``, torch and ``selfspec.frozen`` only, none of
+this package) so that a family is whole, and checked, the moment it registers.
 """
 
 from __future__ import annotations
@@ -104,4 +107,5 @@ def make_drafter(heads: nn.Module, base_model: nn.Module) -> Drafter:
 
 
 __all__ = ["FAMILIES", "Family", "register_family", "build_heads", "config_class", "init_heads", "make_drafter",
-           "Eagle3Head", "Eagle3Drafter", "EagleHead", "EagleDrafter", "ExitAdapter", "EarlyExitDrafter", "MedusaHeads", "MedusaDrafter"]
+           "Eagle3Head", "Eagle3Drafter", "EagleHead", "EagleDrafter", "ExitAdapter", "EarlyExitDrafter", "MedusaHeads",
+           "MedusaDrafter"]

@@ -75,7 +75,8 @@ def lm_logits(target: nn.Module, h: torch.Tensor, rows: torch.Tensor | None = No
 
 
 def unroll_mask(n: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Step ``step``'s (1, 1, n, step * n) additive mask: row t sees real pairs 0..t and its own chain (row t of each step)."""
+    """Step ``step``'s (1, 1, n, step * n) additive mask: row t sees real pairs 0..t and its own chain (row t of
+    each step)."""
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     eye = torch.eye(n, dtype=torch.bool, device=device)
     return additive_mask(torch.cat([causal] + [eye] * (step - 1), dim=1)[None, None], dtype)

@@ -27,10 +27,11 @@ MOVED = {"medusa_decay": "decay", "eagle_token_weight": "token_weight", "eagle_u
 
 @dataclass
 class TrainConfig:
-    """One head-training run."""
+    """One head-training run. ``loss`` (set when made, not a field): ``loss_args`` checked into the family's loss
+    settings dataclass (its objective's ``args``)."""
 
     base_model: str = DEFAULT_MODEL  # zoo name, hub id or folder; loaded frozen
-    dtype: str = "auto"  # the frozen target's: auto (measured once, by the main process, for all) | bfloat16 | float32 | float16
+    dtype: str = "auto"  # the frozen target's: auto (measured by the main process, for all) | bfloat16 | float32
     family: str = "eagle"  # a registered head family: eagle3 | eagle | medusa | early-exit
     head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
     loss_args: dict[str, Any] = field(default_factory=dict)  # the family's loss settings (its objective's args)

@@ -33,7 +33,7 @@ class Eagle3Loss:
 
 @torch.no_grad()
 def features(target: nn.Module, heads: nn.Module, input_ids: torch.Tensor,
-                    attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+             attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``f`` (final normed states, for the soft labels) and ``aux`` (the three fused layers' states, concatenated)."""
     out = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
     aux = torch.cat([out.hidden_states[i] for i in inner(heads).config.aux_layers], dim=-1)
@@ -56,6 +56,8 @@ def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], arg
     h = inner(head)
     draft_ids, t2d = h.draft_ids(), h.t2d
     nxt = F.pad(x[:, 1:], (0, 1), value=int(draft_ids[0]))  # nxt[:, p]: the token after position p
+    if "attention_mask" in batch:  # after a row's last token: no token (as at the batch's end), not the padding's
+        nxt = nxt.masked_fill(~F.pad(batch["attention_mask"][:, 1:], (0, 1)).bool(), int(draft_ids[0]))
     m = m & t2d[nxt]  # the target's next token must be draftable
     with torch.no_grad():  # soft labels at every loss position, once for all steps
         teacher_logp = F.log_softmax(lm_logits(target, f[m].float(), draft_ids).float(), -1)
@@ -75,7 +77,7 @@ def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], arg
 
 @torch.no_grad()
 def predictions(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], depth: int
-                       ) -> list[torch.Tensor]:
+                ) -> list[torch.Tensor]:
     """Target token ids each unrolled step drafts (greedy): ``out[d-1][:, t]`` guesses the token at t + d + 1."""
     h = inner(head)
     ids = h.draft_ids()

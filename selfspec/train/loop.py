@@ -22,7 +22,7 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from ..heads import init_heads
 from ..zoo import load_model
 from .batches import epoch_order, rank_micro_batches, step_examples, steps_per_epoch
 from .card import model_card
-from .config import TrainConfig, config_dict
+from .config import MOVED, TrainConfig, config_dict
 from .features import TokenDataset, build_feature_cache, pad_batch, tokenize_all
 from .objectives import depth_accuracy, feature_keys, feature_settings, head_loss, prepare_heads, target_features
 
@@ -125,24 +125,29 @@ def save_checkpoint(accelerator, out: Path, step: int) -> None:
 
 
 def run_settings(cfg: TrainConfig, accelerator) -> dict:
-    """What ``train_config.json`` records: the config, the number of processes (steps depend on it) and how they
-    share the heads (NO, MULTI_CPU/MULTI_GPU: DDP, FSDP: the checkpoints' layout depends on it)."""
-    return {**config_dict(cfg), "num_processes": accelerator.num_processes,
+    """What ``train_config.json`` records: the config, the loss settings in effect, the number of processes (steps
+    depend on it) and how they share the heads (NO; MULTI_CPU, MULTI_GPU: DDP; FSDP: the checkpoints' layout)."""
+    return {**config_dict(cfg), "loss": asdict(cfg.loss), "num_processes": accelerator.num_processes,
             "distribution": str(accelerator.distributed_type).split(".")[-1]}
 
 
 def check_resumable(cfg: TrainConfig, accelerator, out: Path) -> None:
-    """Resuming is exact only with the settings and the number of processes the run started with."""
+    """Resuming is exact only with the settings, the number of processes and the distribution the run started with
+    (checked before any model loads)."""
     saved = out / "train_config.json"
-    if not saved.is_file():
+    if not cfg.resume or not saved.is_file():
         return
     before, now = json.loads(saved.read_text()), run_settings(cfg, accelerator)
     if before.get("num_processes", 1) != now["num_processes"]:
         raise SelfspecError(f"cannot resume {out}: it ran with {before.get('num_processes', 1)} processes, this launch "
                             f"has {now['num_processes']}; launch as many (e.g. torchrun --nproc_per_node "
                             f"{before.get('num_processes', 1)}) or use a new --output-dir")
-    default = config_dict(TrainConfig(family=cfg.family))  # a field the run predates had its default value
-    differ = sorted(k for k in now if k not in ("resume", "max_steps") and before.get(k, default.get(k)) != now[k])
+    if set(before) & set(MOVED):
+        raise SelfspecError(f"cannot resume {out}: an older selfspec started it (its loss settings are named "
+                            f"{', '.join(sorted(set(before) & set(MOVED)))}); use a new --output-dir")
+    default = run_settings(TrainConfig(family=cfg.family), accelerator)  # fields the run predates: their defaults
+    differ = sorted(k for k in now if k not in ("resume", "max_steps", "loss_args")
+                    and before.get(k, default[k]) != now[k])
     if differ:
         raise SelfspecError(f"cannot resume {out}: settings changed since it started ({', '.join(differ)}); "
                             "use the original settings or a new --output-dir")
@@ -153,7 +158,7 @@ class Prepared:
     """What the loop steps: accelerate's prepared heads and optimizer, the schedule, the data and its steps."""
 
     heads: torch.nn.Module
-    unwrapped: torch.nn.Module  # a plain copy, made before accelerate wrapped or sharded them: what is saved
+    unwrapped: torch.nn.Module  # a plain copy on the CPU, made before accelerate wrapped or sharded them: what is saved
     optimizer: torch.optim.Optimizer
     scheduler: object
     train_set: torch.utils.data.Dataset
@@ -228,7 +233,7 @@ def prepare(cfg: TrainConfig, accelerator, heads, train_set, eval_examples: list
     per_epoch = steps_per_epoch(len(train_set), global_batch)
     total_steps = per_epoch * cfg.epochs
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, total_steps)
-    unwrapped = copy.deepcopy(heads)
+    unwrapped = copy.deepcopy(heads).cpu()  # what is saved at the end; off the device meanwhile
     heads, optimizer = accelerator.prepare(heads, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped here once per optimizer step, not by accelerate
     return Prepared(heads, unwrapped, optimizer, scheduler, train_set, eval_examples, global_batch, per_epoch,
@@ -237,10 +242,7 @@ def prepare(cfg: TrainConfig, accelerator, heads, train_set, eval_examples: list
 
 def resume(cfg: TrainConfig, accelerator, out: Path) -> int:
     """The optimizer step to start from: 0, or the latest checkpoint's after restoring its states (``--resume``)."""
-    if not cfg.resume:
-        return 0
-    check_resumable(cfg, accelerator, out)
-    ckpt = latest_checkpoint(out)
+    ckpt = latest_checkpoint(out) if cfg.resume else None
     if ckpt is None:
         return 0
     accelerator.load_state(str(ckpt))
@@ -256,13 +258,13 @@ def append_log(accelerator, log_path: Path, row: dict) -> None:
 
 
 def step_batches(cfg: TrainConfig, accelerator, run: Prepared, epoch: int, step: int) -> list[dict[str, torch.Tensor]]:
-    """This process's micro-batches of optimizer step ``step`` of ``epoch`` (a weightless one if it has none)."""
+    """This process's micro-batches of optimizer step ``step`` of ``epoch``. Every process runs as many (under FSDP
+    each forward gathers the weights from all of them): a share short of the others' ends on weightless copies."""
     examples = step_examples(epoch_order(len(run.train_set), cfg.seed, epoch), step, run.global_batch)
     micro = rank_micro_batches(examples, cfg.batch_size, accelerator.process_index, accelerator.num_processes)
-    if micro:
-        batches = [pad_batch([run.train_set[i] for i in ids]) for ids in micro]
-    else:  # a short last step left this process nothing: take part with a copy that weighs nothing
-        batches = [pad_batch([weightless(run.train_set[examples[0]])])]
+    most = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / cfg.batch_size)
+    batches = [pad_batch([run.train_set[i] for i in ids]) for ids in micro]
+    batches += [pad_batch([weightless(run.train_set[examples[0]])])] * (most - len(micro))
     return [{k: v.to(accelerator.device) for k, v in b.items()} for b in batches]
 
 
@@ -271,7 +273,9 @@ def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batches: li
     """One optimizer step over this process's micro-batches: each loss is a sum over its tokens, scaled by the
     number of loss tokens of the whole step (every micro-batch of every process), so each token weighs the same
     wherever it lands; backward (gradients exchanged at the last micro-batch only), clip, step. Returns the step's
-    loss and its parts, per loss token of the whole step (the same on every process)."""
+    loss and its parts over the loss-mask tokens of the whole step (the same on every process; a family may skip
+    some of those positions, eagle3 the undraftable ones, unrolled steps the first ones, but the divisor is this
+    count whatever the split)."""
     tokens = accelerator.reduce(sum(b["loss_mask"].sum() for b in batches).to(accelerator.device), "sum")
     scale = accelerator.num_processes / tokens.clamp(min=1)  # DDP averages the processes' gradients: undo it
     sums = None
@@ -285,37 +289,35 @@ def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batches: li
         sums = values if sums is None else sums + values
     accelerator.clip_grad_norm_(run.heads.parameters(), cfg.max_grad_norm)
     run.optimizer.step()
-    run.scheduler.step()
+    if not accelerator.optimizer_step_was_skipped:  # fp16: a step the loss scaler skipped does not count
+        run.scheduler.step()
     run.optimizer.zero_grad()
     means = (accelerator.reduce(sums, "sum") / tokens.clamp(min=1)).tolist()  # the one host sync of a step
     return {"loss": means[0], **dict(zip(parts, means[1:])), "tokens": int(tokens)}
 
 
 def run_epochs(cfg: TrainConfig, accelerator, run: Prepared, target, out: Path, step: int) -> None:
-    """The loop, from optimizer step ``step``: log every step, checkpoint every ``save_every``, evaluate per epoch."""
+    """The loop, from optimizer step ``step``: log every step, evaluate at each epoch's end, then checkpoint (every
+    ``save_every`` steps and at the last: a resumed run never skips an epoch's held-out row)."""
     log_path = out / "log.jsonl"
     stop_at = min(run.total_steps, cfg.max_steps) if cfg.max_steps else run.total_steps
     bar = tqdm(total=stop_at, initial=step, desc=f"train {cfg.family}", disable=not accelerator.is_main_process)
     start = time.perf_counter()
     run.heads.train()
-    for epoch in range(step // run.steps_per_epoch, cfg.epochs):
-        if step >= stop_at:
-            break
-        for in_epoch in range(step - epoch * run.steps_per_epoch, run.steps_per_epoch):
-            row = train_step(cfg, accelerator, run, target, step_batches(cfg, accelerator, run, epoch, in_epoch))
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}")
-            append_log(accelerator, log_path, {"step": step, "epoch": epoch, **row, "lr": run.scheduler.get_last_lr()[0],
-                                               "elapsed_s": time.perf_counter() - start})
-            if step % cfg.save_every == 0 or step == stop_at:
-                save_checkpoint(accelerator, out, step)
-            if step >= stop_at:
-                break
-        if step % run.steps_per_epoch == 0 or step >= run.total_steps:  # a whole epoch is done
+    while step < stop_at:
+        epoch, in_epoch = divmod(step, run.steps_per_epoch)
+        row = train_step(cfg, accelerator, run, target, step_batches(cfg, accelerator, run, epoch, in_epoch))
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.4f}")
+        append_log(accelerator, log_path, {"step": step, "epoch": epoch, **row, "lr": run.scheduler.get_last_lr()[0],
+                                           "elapsed_s": time.perf_counter() - start})
+        if step % run.steps_per_epoch == 0:  # a whole epoch is done
             acc = evaluate(cfg, accelerator, accelerator.unwrap_model(run.heads), target, run.eval_examples)
             accelerator.print(f"epoch {epoch}: held-out top-1 by depth {[round(a, 3) for a in acc]}")
             append_log(accelerator, log_path, {"step": step, "epoch": epoch, "heldout_top1_by_depth": acc})
+        if step % cfg.save_every == 0 or step == stop_at:
+            save_checkpoint(accelerator, out, step)
     bar.close()
 
 
@@ -361,6 +363,7 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     # cpu: torchrun's processes on a machine without an accelerator form a gloo group (else each trains alone)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.accelerator.is_available())
     check_distribution(accelerator)
+    check_resumable(cfg, accelerator, out)  # before the model loads or the feature cache changes
     target, tokenizer = frozen_target(cfg, accelerator, target, tokenizer)
     set_seed(cfg.seed)  # after loading: the heads start the same however the target was loaded (or passed in)
     heads = starting_heads(cfg, target, tokenizer)
