@@ -322,3 +322,21 @@ def test_data_with_nothing_to_train_on_is_refused_before_any_model_loads(tmp_pat
     with pytest.raises(SelfspecError, match="no conversation with an assistant reply"):
         train(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_data_cut_away_by_max_length_is_refused_before_the_weights_load(tmp_path) -> None:
+    """Replies that --max-length cuts off entirely leave nothing to train on: one line, after the tokenizer (all the
+    folder holds: loading weights would fail) and before any model loads."""
+    from selfspec.errors import SelfspecError
+    from selfspec.train.loop import train
+
+    folder = tmp_path / "tokenizer-only"
+    make_tokenizer().save_pretrained(folder)
+    data = tmp_path / "long-questions.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"p{i}", "messages": [
+        {"role": "user", "content": "a long question " * 20}, {"role": "assistant", "content": "a reply"}]})
+        for i in range(8)) + "\n")
+    cfg = _cfg("medusa", data, tmp_path / "out", base_model=str(folder), max_length=16)
+    with pytest.raises(SelfspecError, match="no training conversation left after tokenizing") as refused:
+        train(cfg)
+    assert "\n" not in str(refused.value)

@@ -364,14 +364,18 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.accelerator.is_available())
     check_distribution(accelerator)
     check_resumable(cfg, accelerator, out)  # before the model loads or the feature cache changes
-    target, tokenizer = frozen_target(cfg, accelerator, target, tokenizer)
-    set_seed(cfg.seed)  # after loading: the heads start the same however the target was loaded (or passed in)
-    heads = starting_heads(cfg, target, tokenizer)
+    if tokenizer is None:  # the data is tokenized before the weights load: data with nothing to train on is one line
+        from ..zoo import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.base_model)
     train_ex = load_examples(cfg, tokenizer, "train", cfg.max_examples)
     if not train_ex:
         raise SelfspecError(f"--data {cfg.data}: no training conversation left after tokenizing (max_length "
                             f"{cfg.max_length}, {cfg.max_examples} examples at most)")
     eval_ex = load_examples(cfg, tokenizer, "heldout", cfg.eval_examples)
+    target, _ = frozen_target(cfg, accelerator, target, tokenizer)
+    set_seed(cfg.seed)  # after loading: the heads start the same however the target was loaded (or passed in)
+    heads = starting_heads(cfg, target, tokenizer)
     if not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
         prepare_heads(heads, target, train_ex)
     run = prepare(cfg, accelerator, heads, training_set(cfg, accelerator, target, heads, train_ex, out), eval_ex)
