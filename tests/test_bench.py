@@ -227,3 +227,17 @@ def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
     for bad in ("", "0,2", "two"):
         with pytest.raises(SelfspecError, match="--k takes positive integers"):
             parse_ks(bad)
+
+
+@pytest.mark.integration
+def test_batch_steps_counts_every_token_and_step(capsys):
+    """``python -m selfspec_eval.batch_steps``: the tokens it reports are every request's (12 each: no answer ends
+    that soon), and the steps by shape add up to the steps run."""
+    from selfspec_eval.batch_steps import main
+
+    assert main(["--model", "smollm2-135m-instruct", "--dtype", "float32", "--rows", "3", "--max-new-tokens", "12",
+                 "--heads", "checkpoints/smollm2-135m-instruct-eagle"]) == 0
+    summary, shapes = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "3 requests at once" in summary and " 36 tokens in " in summary
+    steps = int(summary.rsplit(", ", 1)[1].split()[0])
+    assert sum(int(cell.split(": ")[1]) for cell in shapes.split(": ", 1)[1].split(", ")) == steps
