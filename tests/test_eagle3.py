@@ -147,3 +147,43 @@ def test_greedy_equals_plain_greedy_on_every_pass(backend: str, top_k: int, dept
     cfg = DecodeConfig(max_new_tokens=28, max_depth=depth, max_nodes=nodes, adaptive=False)
     got = SpeculativeEngine(model, make_drafter(head, model), backend=backend).generate(prompt, cfg)
     assert got.tokens == expected and got.stats.max_tree_nodes > 1  # drafts were made and checked
+
+
+@pytest.mark.parametrize("lever", ["feature_weight", "topk_weight"])
+def test_each_small_data_lever_adds_its_documented_term(lever: str) -> None:
+    """The loss with a lever on minus the loss without is the lever's weight times its term, computed here row by
+    row: feature_weight, smooth-L1 of the head's normed output onto the target's state at t + k; topk_weight, the
+    cross-entropy to the teacher's probabilities of its top-K draft tokens; each step weighted decay**(k-1)."""
+    import torch.nn.functional as F
+
+    from selfspec.train.common import lm_logits
+    from selfspec.train.eagle3 import Eagle3Loss, eagle3_unroll, features, loss
+
+    model = tiny_model(2, vocab=64, layers=3)
+    head = perturb(init_heads("eagle3", model, draft_vocab_size=48), 2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 64, (2, 10), generator=g)
+    batch = {"input_ids": x, "loss_mask": torch.ones_like(x), **features(model, head, x)}
+    base, weight = Eagle3Loss(unroll=2, decay=0.5, topk=3), 0.7
+    with torch.no_grad():
+        on = loss(head, model, batch, Eagle3Loss(unroll=2, decay=0.5, topk=3, **{lever: weight}))[0]
+        off = loss(head, model, batch, base)[0]
+        steps = eagle3_unroll(head, model, batch["aux"], x, 2)
+        ids, by_hand = head.draft_ids(), 0.0
+        for k, pred in enumerate(steps, start=1):
+            for b in range(2):
+                for t in range(10 - k):
+                    p = t + k  # the position whose next token step k's row t guesses
+                    after = int(x[b, p + 1]) if p + 1 < 10 else int(ids[0])
+                    if not head.t2d[after]:
+                        continue  # an undraftable next token is not trained on
+                    if lever == "feature_weight":
+                        term = F.smooth_l1_loss(head.norm(pred[b, t]).float(), batch["f"][b, p].float())
+                    else:
+                        teacher = F.softmax(lm_logits(model, batch["f"][b, p].float(), ids).float(), -1)
+                        logq = F.log_softmax(head.logits(pred[b, t]).float(), -1)
+                        top = teacher.topk(3).indices
+                        term = -(teacher[top] * logq[top]).sum()
+                    by_hand += 0.5 ** (k - 1) * float(term)
+    torch.testing.assert_close(float(on - off), weight * by_hand, rtol=1e-4, atol=1e-5)
+    assert by_hand > 0

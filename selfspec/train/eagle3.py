@@ -7,6 +7,11 @@ real pairs before its root and its own chain: the cache a depth-k draft sees). S
 the target's next-token distribution at position t + k restricted to the draft vocabulary (soft cross-entropy,
 reported as KL: less the target's entropy);
 positions whose next token lies outside the draft vocabulary are masked. Step k weighs ``decay**(k-1)``.
+
+Levers for small data (``Eagle3Loss``, off by default until measured): ``feature_weight`` adds EAGLE-1's dense
+target, a smooth-L1 regression of the head's normed output onto the target's final state at the position whose
+next token it predicts; ``topk_weight`` adds HASS's top-K distillation, the cross-entropy to the teacher's
+probabilities of its ``topk`` most likely draft tokens only.
 """
 
 from __future__ import annotations
@@ -25,10 +30,15 @@ from .common import Objective, draft_vocab_counts, fixed, inner, lm_logits
 class Eagle3Loss:
     unroll: int = 3  # drafting steps unrolled in training (training-time test)
     decay: float = 0.8  # the loss of unrolled step k weighs decay**(k-1)
+    feature_weight: float = 0.0  # EAGLE-1's dense target: + this x smooth-L1(norm(h), the target's state there)
+    topk: int = 10  # the teacher's top tokens the top-K term distills (HASS)
+    topk_weight: float = 0.0  # + this x cross-entropy to the teacher's probabilities of its top-K tokens only
 
     def __post_init__(self) -> None:
         if self.unroll < 1:
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
+        if self.topk < 1 or self.feature_weight < 0 or self.topk_weight < 0:
+            raise ValueError("topk must be >= 1 and the weights >= 0")
 
 
 @torch.no_grad()
@@ -64,14 +74,27 @@ def loss(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor], arg
         teacher = teacher_logp.exp()
     position = torch.arange(f.shape[1], device=f.device).expand_as(m)[m]  # of each teacher row
     total, parts = f.new_zeros(()), {}
+    if args.topk_weight:  # the teacher's top-K tokens per row (HASS): their probabilities, the rest zero
+        top = teacher.topk(min(args.topk, teacher.shape[-1]), dim=-1).indices
+        teacher_top = torch.zeros_like(teacher).scatter_(-1, top, teacher.gather(-1, top))
     for k, pred in enumerate(eagle3_unroll(head, target, aux, x, args.unroll), start=1):
         n = max(pred.shape[1] - (k - 1), 0)  # rows t with t + k inside the sequence
         keep = m[:, k:k + n]  # step k's row t guesses position t + k's next token
-        logp = F.log_softmax(h.logits(pred[:, :n][keep]).float(), -1)
+        guess = pred[:, :n][keep]
+        logp = F.log_softmax(h.logits(guess).float(), -1)
         rows = position >= k
         kl = (teacher[rows] * (teacher_logp[rows] - logp)).sum()  # soft cross-entropy - teacher entropy
-        total = total + args.decay ** (k - 1) * kl
+        step = kl
         parts[f"kl{k}"] = kl.detach()
+        if args.feature_weight:  # the target's state at t + k predicts that same token
+            reg = F.smooth_l1_loss(h.norm(guess).float(), f[:, k:k + n][keep].float(), reduction="none").mean(-1).sum()
+            step = step + args.feature_weight * reg
+            parts[f"reg{k}"] = reg.detach()
+        if args.topk_weight:
+            top_ce = -(teacher_top[rows] * logp).sum()
+            step = step + args.topk_weight * top_ce
+            parts[f"topk{k}"] = top_ce.detach()
+        total = total + args.decay ** (k - 1) * step
     return total, parts
 
 
@@ -81,7 +104,8 @@ def predictions(head: nn.Module, target: nn.Module, batch: dict[str, torch.Tenso
     """Target token ids each unrolled step drafts (greedy): ``out[d-1][:, t]`` guesses the token at t + d + 1."""
     h = inner(head)
     ids = h.draft_ids()
-    return [ids[h.logits(pred).argmax(-1)] for pred in eagle3_unroll(head, target, batch["aux"], batch["input_ids"], depth)]
+    return [ids[h.logits(pred).argmax(-1)]
+            for pred in eagle3_unroll(head, target, batch["aux"], batch["input_ids"], depth)]
 
 
 def prepare(heads: nn.Module, target: nn.Module, examples: list[dict[str, torch.Tensor]]) -> None:
