@@ -225,7 +225,8 @@ def test_eagle_unroll_sees_what_drafting_sees():
 
 
 def test_feature_cache_resumes_grows_and_rebuilds(tmp_path: Path, monkeypatch) -> None:
-    """Shards already on disk are reused when they hold the right examples; new examples cost only new shards."""
+    """Shards already on disk are reused when they hold the right examples; new examples cost only new shards;
+    another model gets a cache of its own beside the first, which stays whole (runs may share the folder)."""
     from selfspec.train import features
 
     monkeypatch.setattr(features, "SHARD", 4)
@@ -239,26 +240,28 @@ def test_feature_cache_resumes_grows_and_rebuilds(tmp_path: Path, monkeypatch) -
                 for i in range(14)]
     sig = {"base": "tiny", "data": "x", "max_examples": 10}
     cache = features.build_feature_cache(fn, examples[:10], ("f",), tmp_path, signature=sig)
-    assert len(calls) == 10 and len(cache) == 10
+    assert len(calls) == 10 and len(cache) == 10 and cache.folder.parent == tmp_path
     assert torch.equal(cache[7]["f"], fn(examples[7]["input_ids"][None])["f"][0].to(torch.bfloat16).float())
     calls.clear()
     assert len(features.build_feature_cache(fn, examples[:10], ("f",), tmp_path, signature=sig)) == 10
     assert calls == []  # complete: nothing runs again
-    (tmp_path / "index.json").unlink()
-    (tmp_path / "shard-00001.safetensors").unlink()  # as if killed while writing shard 1
+    (cache.folder / "index.json").unlink()
+    (cache.folder / "shard-00001.safetensors").unlink()  # as if killed while writing shard 1
     features.build_feature_cache(fn, examples[:10], ("f",), tmp_path, signature=sig)
     assert len(calls) == 4  # only shard 1 again
     calls.clear()
     grown = features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "max_examples": 14})
     assert len(calls) == 6 and len(grown) == 14  # the old partial shard 2 (8, 9) is redone with 10, 11; then 12, 13
-    assert all(torch.equal(grown[i]["input_ids"], examples[i]["input_ids"]) for i in range(14))
+    assert grown.folder == cache.folder and all(torch.equal(grown[i]["input_ids"], examples[i]["input_ids"])
+                                                for i in range(14))
     calls.clear()
     more = [*examples, {"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.ones(3, dtype=torch.long)}]
     features.build_feature_cache(fn, more, ("f",), tmp_path, signature={**sig, "data": "x,y", "max_examples": 15})
     assert len(calls) == 3  # a source appended to the data list: only the last shard (12, 13, new) is redone
     calls.clear()
-    features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "base": "other"})
-    assert len(calls) == 14  # another model: everything is rebuilt
+    other = features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "base": "other"})
+    assert len(calls) == 14 and other.folder != cache.folder  # another model: a cache of its own
+    assert len(list(cache.folder.glob("shard-*.safetensors"))) == 4  # the first one untouched
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

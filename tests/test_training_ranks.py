@@ -145,12 +145,12 @@ def test_two_processes_train_what_one_process_trains_with_twice_the_batch(family
              for d in ("one", "two")]
     assert evals[0] == evals[1] and len(evals[0]) == 2
     # the feature cache two ranks built (each its share of the shards) holds the tensors one process wrote
-    shards = sorted(p.name for p in (tmp_path / "one" / "features").glob("shard-*"))
-    assert len(shards) == 6
-    assert shards == sorted(p.name for p in (tmp_path / "two" / "features").glob("*") if p.name.startswith("shard-"))
+    caches = [next((tmp_path / d / "features").iterdir()) for d in ("one", "two")]  # one subfolder each
+    shards = sorted(p.name for p in caches[0].glob("shard-*"))
+    assert len(shards) == 6 and caches[0].name == caches[1].name
+    assert shards == sorted(p.name for p in caches[1].iterdir() if p.name.startswith("shard-"))  # no .tmp left
     for name in shards:
-        with safe_open(str(tmp_path / "one" / "features" / name), "pt") as x, \
-                safe_open(str(tmp_path / "two" / "features" / name), "pt") as y:
+        with safe_open(str(caches[0] / name), "pt") as x, safe_open(str(caches[1] / name), "pt") as y:
             assert set(x.keys()) == set(y.keys())
             assert all(torch.equal(x.get_tensor(k), y.get_tensor(k)) for k in x.keys())
     # one of everything: one log line per step, one checkpoint per save, one card, the folder printed once

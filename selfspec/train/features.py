@@ -8,6 +8,7 @@ an index is written last; an interrupted pass resumes, and a larger run reuses t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -55,12 +56,19 @@ class FeatureCache(Dataset):
 
 # What decides only *which* tokens are cached: each shard's tokens are compared before it is reused, so a change
 # here (more examples, another source appended to the data list) keeps every shard that still holds the same
-# conversations. Any other change (the model, the family's feature layers) rebuilds the cache.
+# conversations. The rest (the model, the family's feature layers) names the cache's own subfolder.
 VOLATILE = ("count", "max_examples", "data", "max_length", "heldout_fraction")
 
 
 def _stable(signature: dict) -> dict:
     return {k: v for k, v in signature.items() if k not in VOLATILE}
+
+
+def cache_folder(folder: Path, signature: dict) -> Path:
+    """Where a cache lives under ``folder``: a subfolder per model and feature settings (all but ``VOLATILE``), so
+    runs sharing one ``--feature-dir`` with other models or layers never touch each other's files."""
+    digest = hashlib.sha256(json.dumps(_stable(signature), sort_keys=True).encode()).hexdigest()[:12]
+    return Path(folder) / digest
 
 
 def _shard_holds(path: Path, examples: list[dict[str, torch.Tensor]], first: int, last: int,
@@ -82,17 +90,17 @@ def build_feature_cache(feature_fn: Callable[[torch.Tensor], dict[str, torch.Ten
                         rank: int = 0, world: int = 1, wait: Callable[[], None] = lambda: None) -> FeatureCache:
     """Run ``feature_fn`` ((1, T) ids -> {key: (1, T, H)}) over ``examples`` once and store it all.
 
-    ``signature`` (base model, feature settings, data settings) is stored with the cache. Every shard
-    already on disk that holds exactly the examples it should (same tokens) is kept: an interrupted pass
-    resumes, and a run with more examples (``max_examples``, or a source appended to ``data``) computes
-    only the new shards. A different model or feature setting (``VOLATILE`` lists what is not) rebuilds it.
+    ``signature`` (base model, feature settings, data settings) is stored with the cache, in its own subfolder of
+    ``folder`` (:func:`cache_folder`). Every shard already there that holds exactly the examples it should (same
+    tokens) is kept: an interrupted pass resumes, and a run with more examples (``max_examples``, or a source
+    appended to ``data``) computes only the new shards. A different model or feature setting has a cache of its own.
 
     Several processes (``rank`` of ``world``, ``wait`` their barrier) build it together: process r computes the
     shards s with s % world == r, each written under a temporary name of its own and renamed whole; process 0
-    alone clears a stale cache first and writes the index last, once every shard is there.
+    alone starts the folder and writes the index last, once every shard is there.
     """
-    folder = Path(folder)
     signature = {**(signature or {}), "count": len(examples), "keys": list(keys)}
+    folder = cache_folder(folder, signature)
     index = folder / "index.json"
     if rank == 0:
         _start_cache(folder, signature)
@@ -117,11 +125,8 @@ def build_feature_cache(feature_fn: Callable[[torch.Tensor], dict[str, torch.Ten
 
 
 def _start_cache(folder: Path, signature: dict) -> None:
-    """Clear a cache made for another model, family or data; drop the index of an incomplete one."""
+    """Make the folder; drop the index of a cache of other examples (its shards are checked one by one)."""
     sig_file = folder / "signature.json"
-    if sig_file.is_file() and _stable(json.loads(sig_file.read_text())) != _stable(signature):
-        for stale in folder.glob("*"):
-            stale.unlink()
     index = folder / "index.json"
     if index.is_file() and json.loads(index.read_text())["count"] == signature["count"]:
         return
