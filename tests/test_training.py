@@ -343,3 +343,21 @@ def test_data_cut_away_by_max_length_is_refused_before_the_weights_load(tmp_path
     with pytest.raises(SelfspecError, match="no training conversation left after tokenizing") as refused:
         train(cfg)
     assert "\n" not in str(refused.value)
+
+
+def test_a_frozen_eagle3_lm_head_keeps_the_targets_rows(chat_file: Path, tmp_path: Path) -> None:
+    """``--head-arg train_lm_head=false``: the LM head starts as the target's rows for the draft vocabulary and stays
+    them bit for bit through training (no gradient, no weight decay), while the rest of the head trains."""
+    from selfspec.frozen import lm_head_rows
+    from selfspec.heads import init_heads
+
+    model, tok = tiny_model(0, vocab=VOCAB, layers=2), make_tokenizer()
+    start = init_heads("eagle3", model, draft_vocab_size=100)
+    folder = train(_cfg("eagle3", chat_file, tmp_path, head_args={"draft_vocab_size": 100, "train_lm_head": False},
+                        weight_decay=0.1), model, tok)
+    heads, _ = load_heads(model, folder, tokenizer=tok)
+    saved = {k: v for k, v in load_file(str(folder / "heads.safetensors")).items()}
+    lm, fc = (next(v for k, v in saved.items() if k.endswith(name)) for name in ("lm_head.weight", "fc.weight"))
+    assert heads.config.train_lm_head is False
+    assert torch.equal(lm, lm_head_rows(model, heads.draft_ids())[0].to(lm))
+    assert not torch.equal(fc, start.fc.weight.to(fc))  # the rest trained

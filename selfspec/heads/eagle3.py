@@ -48,6 +48,7 @@ class Eagle3Config(EagleConfig):
 
     family: ClassVar[str] = "eagle3"
     aux_layers: list[int] | None = None
+    train_lm_head: bool = True  # False: the LM head keeps the target's rows it starts from (frozen in training)
 
     def copied_parameters(self, vocab_size: int, hidden_size: int) -> int:
         """None: the LM head over the draft vocabulary is the head's own, trained and counted with it."""
@@ -105,6 +106,7 @@ class Eagle3Head(nn.Module):
         self.midlayer.hidden_norm = LlamaRMSNorm(hidden, eps=eps)
         self.norm = LlamaRMSNorm(hidden, eps=eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.lm_head.requires_grad_(config.train_lm_head)
         self.rotary = LlamaRotaryEmbedding(self.layer_config)
         vocab = text_config(target_config).vocab_size
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
