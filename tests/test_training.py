@@ -192,10 +192,15 @@ def test_flags_map_onto_the_config(tmp_path: Path) -> None:
     assert cfg.head_args == {"num_heads": 3, "num_layers": 2}
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "training" / "configs").glob("*.json")),
-                         ids=lambda p: p.name)
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.mark.parametrize("path", sorted([*(ROOT / "training" / "configs").glob("*.json"),
+                                         *(ROOT / "checkpoints").rglob("train_config.json")]),
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_committed_training_configs_parse(path: Path) -> None:
-    """Every recipe under training/configs names only real TrainConfig fields and its family's own hyperparameters."""
+    """Every recipe under training/configs, and every committed checkpoint's record of its run (its card's
+    "Reproduce" line runs it), names only real TrainConfig fields and its family's own hyperparameters."""
     from selfspec.heads.config import make_config
 
     cfg = parse_config(["--config", str(path)])
