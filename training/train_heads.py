@@ -22,8 +22,11 @@ def main() -> int:
         folder = train(parse_config())
         from accelerate import PartialState
 
-        if PartialState().is_main_process:  # one line, not one per rank
+        state = PartialState()
+        if state.is_main_process:  # one line, not one per rank
             print(folder)
+        state.wait_for_everyone()
+        state.destroy_process_group()  # every process ends its gloo/NCCL threads before the interpreter exits
     except SelfspecError as exc:
         print(f"train_heads: error: {exc}", file=sys.stderr)
         return 2
