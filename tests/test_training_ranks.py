@@ -194,6 +194,7 @@ def test_ranks_split_every_epoch_without_overlap(count: int, batch: int, world: 
             shares = [sum(rank_micro_batches(examples, batch, r, world), []) for r in range(world)]
             assert sorted(sum(shares, [])) == sorted(examples)
             assert all(len(mb) <= batch for r in range(world) for mb in rank_micro_batches(examples, batch, r, world))
+            assert len({len(rank_micro_batches(examples, batch, r, world)) for r in range(world)}) == 1  # as many
             seen += sum(shares, [])
         assert sorted(seen) == list(range(count))
     assert epoch_order(count, 7, 0) != epoch_order(count, 7, 1) or count < 3

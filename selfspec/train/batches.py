@@ -12,10 +12,12 @@ gradient exchange without any example counting twice.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
 
+@lru_cache(maxsize=2)  # asked once per optimizer step: the shuffle itself once per epoch
 def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
     """The examples' order in ``epoch`` (a seeded shuffle; the same on every process)."""
     return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
@@ -32,6 +34,8 @@ def step_examples(order: list[int], step: int, global_batch: int) -> list[int]:
 
 
 def rank_micro_batches(examples: list[int], micro: int, rank: int, world: int) -> list[list[int]]:
-    """Process ``rank``'s share of one step's ``examples``, in micro-batches of at most ``micro`` (may be none)."""
+    """Process ``rank``'s share of one step's ``examples`` in micro-batches of at most ``micro``, as many on every
+    process: a shorter share ends on empty ones."""
     mine = examples[rank::world]
-    return [mine[i:i + micro] for i in range(0, len(mine), micro)]
+    count = math.ceil(math.ceil(len(examples) / world) / micro)
+    return [mine[i * micro:(i + 1) * micro] for i in range(count)]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -91,11 +90,7 @@ def evaluate(cfg: TrainConfig, accelerator, heads, target, examples: list[dict[s
     one: under FSDP each forward gathers the weights from all processes)."""
     heads.eval()
     counts = torch.zeros(2, EVAL_DEPTH, dtype=torch.long, device=accelerator.device)
-    mine = examples[accelerator.process_index::accelerator.num_processes]
-    batches = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / cfg.batch_size)
-    for i in range(batches):
-        items = mine[i * cfg.batch_size:(i + 1) * cfg.batch_size] or [weightless(examples[0])]
-        batch = {k: v.to(accelerator.device) for k, v in pad_batch(items).items()}
+    for batch in micro_batches(cfg, accelerator, examples, list(range(len(examples)))):
         c, t = depth_accuracy(heads, target, with_features(batch, target, heads), EVAL_DEPTH)
         counts += torch.tensor([c, t], device=accelerator.device)
     heads.train()
@@ -103,9 +98,19 @@ def evaluate(cfg: TrainConfig, accelerator, heads, target, examples: list[dict[s
     return [c / t for c, t in zip(correct, total) if t]
 
 
-def weightless(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of ``example`` that counts for nothing (loss mask 0): for a process with no share of a step."""
-    return {**example, "loss_mask": torch.zeros_like(example["loss_mask"])}
+def micro_batches(cfg: TrainConfig, accelerator, dataset, examples: list[int]) -> list[dict[str, torch.Tensor]]:
+    """This process's share of ``examples`` (indices into ``dataset``), padded batches on its device, as many as
+    every other process has (``batches.rank_micro_batches``); an empty one is a copy of the first example that
+    counts for nothing (loss mask 0)."""
+    batches = []
+    for ids in rank_micro_batches(examples, cfg.batch_size, accelerator.process_index, accelerator.num_processes):
+        if ids:
+            items = [dataset[i] for i in ids]
+        else:
+            first = dataset[examples[0]]
+            items = [{**first, "loss_mask": torch.zeros_like(first["loss_mask"])}]
+        batches.append({k: v.to(accelerator.device) for k, v in pad_batch(items).items()})
+    return batches
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -128,7 +133,7 @@ def run_settings(cfg: TrainConfig, accelerator) -> dict:
     """What ``train_config.json`` records: the config, the loss settings in effect, the number of processes (steps
     depend on it) and how they share the heads (NO; MULTI_CPU, MULTI_GPU: DDP; FSDP: the checkpoints' layout)."""
     return {**config_dict(cfg), "loss": asdict(cfg.loss), "num_processes": accelerator.num_processes,
-            "distribution": str(accelerator.distributed_type).split(".")[-1]}
+            "distribution": accelerator.distributed_type.value}
 
 
 def check_resumable(cfg: TrainConfig, accelerator, out: Path) -> None:
@@ -258,14 +263,9 @@ def append_log(accelerator, log_path: Path, row: dict) -> None:
 
 
 def step_batches(cfg: TrainConfig, accelerator, run: Prepared, epoch: int, step: int) -> list[dict[str, torch.Tensor]]:
-    """This process's micro-batches of optimizer step ``step`` of ``epoch``. Every process runs as many (under FSDP
-    each forward gathers the weights from all of them): a share short of the others' ends on weightless copies."""
+    """This process's micro-batches of optimizer step ``step`` of ``epoch``."""
     examples = step_examples(epoch_order(len(run.train_set), cfg.seed, epoch), step, run.global_batch)
-    micro = rank_micro_batches(examples, cfg.batch_size, accelerator.process_index, accelerator.num_processes)
-    most = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / cfg.batch_size)
-    batches = [pad_batch([run.train_set[i] for i in ids]) for ids in micro]
-    batches += [pad_batch([weightless(run.train_set[examples[0]])])] * (most - len(micro))
-    return [{k: v.to(accelerator.device) for k, v in b.items()} for b in batches]
+    return micro_batches(cfg, accelerator, run.train_set, examples)
 
 
 def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batches: list[dict[str, torch.Tensor]]
@@ -340,7 +340,7 @@ def check_distribution(accelerator) -> None:
     """One process, DDP, or FSDP2 (``training/accelerate/fsdp.yaml``). FSDP1 and DeepSpeed are refused: their
     full sharding splits the weights again after each forward, and the eagle3 loss calls the head's LM head
     outside its forward."""
-    kind = str(accelerator.distributed_type).split(".")[-1]
+    kind = accelerator.distributed_type.value
     if kind == "FSDP" and getattr(accelerator, "is_fsdp2", False):
         return
     if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
