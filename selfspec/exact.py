@@ -7,15 +7,15 @@ linears give every row the same bits for any number of rows up to a limit, norms
 work row by row. So the exact pass fixes how each query row attends:
 
     keys      a row at position p sees the cache, then its ancestors in depth order, then itself: exactly
-              the p + 1 keys a plain step at p sees, in the same order (a chain's rows read the cache in place;
-              a branching tree's rows gather their ancestors behind the cache)
+              the p + 1 keys a plain step at p sees, in the same order. The tree is covered by paths: the chain
+              after the root (in slot order) reads the cache in place; every other path (from its first node
+              down its first children) has its keys, the cache then the path's nodes, gathered once for its rows
     width     every call is ``width(p) = round_up(p + 1, WIDTH_STEP)`` keys wide, the rest masked, in the plain
               step too: the kernel's reduction depends on the width, so rows of equal width can share a call
     rows      each row's query heads are folded per K/V head (one block per K/V head, as the plain step folds
-              them); rows of equal width that read the cache in place (a chain) stack their blocks in one call
-              over the one K, rows with keys of their own are one batch entry each, where the start-up
-              self-test finds that sharing a call leaves every row's bits as in a call of its own; else one
-              call per row
+              them); a path's rows of one width stack their blocks over its one K, and paths of one width (and
+              as many query rows once padded) share a call, a batch entry each, where the start-up self-test
+              finds that sharing a call leaves every row's bits as in a call of its own; else one call per row
     threads   torch's CPU attention kernel gives each thread a scratch buffer at an offset that depends on the
               number of query rows per K/V head and the width; where that offset is not 64-byte aligned, the
               same (row, head) computed by the second thread came out with other bits than by the first (one
@@ -23,10 +23,13 @@ work row by row. So the exact pass fixes how each query row attends:
               call it landed. Each call's query block per K/V head is padded with zero rows (``query_rows``:
               a lone row of SmolLM2's 3 or Qwen2.5's 6 query heads per K/V head to 8; a chain's stacked rows
               to the next count that aligns), which aligns every thread's buffers
-    linears   the self-test finds, per weight shape, the pass sizes (buckets) whose rows get the bits a plain step
-              gives them: on the CPUs checked one row takes another kernel than 2 to 64 rows, so a plain step runs
-              on two rows (its root and a padding row, as the smallest bucket); a packed linear row-variant above
-              some bucket runs in chunks of that bucket; a dense one makes the pass inexact (said once)
+    linears   the self-test finds, per weight shape, the row counts (powers of two up to the largest bucket) whose
+              rows get the bits a plain step gives them: on the CPUs checked some shapes compute one row (a
+              matrix-vector product) with other bits than 2 to 64 rows (every linear of Qwen2.5-Coder-1.5B, only
+              the MLP's down projection of SmolLM2-135M); such a packed linear runs a lone row beside a zero row
+              (``padded``), and where every linear needs it the pass itself runs on two rows (its root and a
+              padding row); a packed linear row-variant above some size runs in chunks of that size; a dense one
+              row-variant anywhere makes the pass inexact (said once)
 
 The self-test runs a few matmuls of the model's own shapes at start-up, cached per device, dtype and shape
 (``check_exact``): an assumption that holds on this CPU need not hold on another, or on a GPU.
@@ -64,11 +67,12 @@ def width_for(position: int, slots: int) -> int:
 
 @dataclass
 class RowGroup:
-    """Query rows of one pass that share a width, attended in one call."""
+    """Query rows of one pass along one root-to-leaf path that share a width: one key sequence serves them all,
+    each row seeing its prefix of it."""
 
-    rows: torch.Tensor  # (m,) long: the rows (tree nodes) of the pass
+    rows: torch.Tensor  # (m,) long: the rows (tree nodes) of the pass, by depth
     width: int
-    keys: torch.Tensor | None  # (m * width,) long cache slots, row by row; None: every row reads slots 0..width-1
+    keys: torch.Tensor | None  # (width,) long cache slots: the cache, then the path; None: slots 0..width-1 in place
     mask: torch.Tensor  # (m, 1, 1, width) additive: 0 for the p + 1 keys each row sees, dtype min after
 
 
@@ -77,6 +81,7 @@ class ExactPlan:
     """How every (non-padding) row of a pass attends; passed to the attention as ``selfspec_exact``."""
 
     groups: list[RowGroup]
+    stacked: bool = True  # groups of one width share a call (where the self-test found that keeps every row's bits)
     prepared: dict = field(default_factory=dict, repr=False, compare=False)  # its calls, built at the first layer
 
 
@@ -102,136 +107,187 @@ def ancestor_path(parents: list[int], node: int) -> list[int]:
 def plan_pass(parents: list[int], depth: list[int], cache_len: int, slots: int, dtype: torch.dtype,
               device: torch.device, batched: bool = True) -> ExactPlan:
     """The plan for a pass over a tree (``parents``, ``depth``; node i written at slot cache_len + i) on a cache of
-    ``slots`` slots. ``batched``: rows of a width share a call (those that read the cache in place apart from those
-    whose keys are gathered); False: every row its own call."""
-    calls: dict[tuple[int, bool], list[tuple[int, list[int] | None]]] = {}
+    ``slots`` slots. The tree is covered by paths: the rows that read the cache in place (the root and the chain
+    that follows it in slot order), then, for each other node not yet covered, the path down its first children;
+    a path's rows of one width are a group, whose keys (the cache, then the path's nodes) are gathered once.
+    ``batched``: groups of a width share a call; False: every row is a group and a call of its own."""
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents[1:], 1):
+        children[parent].append(node)
+    in_place = 1
+    while in_place < len(parents) and parents[in_place] == in_place - 1:
+        in_place += 1
+    paths, covered = [list(range(in_place))], set(range(in_place))
     for node in range(len(parents)):
-        path = ancestor_path(parents, node)
-        in_place = path == list(range(node + 1))  # the row's keys are slots 0..position already: no copy
-        calls.setdefault((width_for(cache_len + depth[node], slots), in_place), []).append(
-            (node, None if in_place else path))
+        if node not in covered:
+            path = [node]
+            while children[path[-1]]:
+                path.append(children[path[-1]][0])
+            paths.append(path)
+            covered.update(path)
     groups = []
-    for (width, _), members in calls.items():
-        parts = [members] if batched else [[m] for m in members]
-        groups += [_group(part, width, cache_len, dtype, device) for part in parts]
-    return ExactPlan(groups)
+    for i, path in enumerate(paths):
+        keys = None
+        if i:  # the cache, then every node from the root to the path's end, at their slots
+            full = [*ancestor_path(parents, path[0])[:-1], *path]
+            keys = torch.arange(cache_len + len(full))
+            keys[cache_len:] = cache_len + torch.tensor(full)
+        by_width: dict[int, list[int]] = {}
+        for node in path:
+            by_width.setdefault(width_for(cache_len + depth[node], slots), []).append(node)
+        for width, rows in by_width.items():
+            for part in [rows] if batched else [[r] for r in rows]:
+                groups.append(_group(part, [depth[r] for r in part], width, cache_len, keys, dtype, device))
+    return ExactPlan(groups, batched)
 
 
-def _group(members: list[tuple[int, list[int] | None]], width: int, cache_len: int, dtype: torch.dtype,
-           device: torch.device) -> RowGroup:
-    """Rows ``members`` (node, its path if its keys must be gathered) attending over ``width`` keys."""
-    seen = torch.tensor([cache_len + (node if path is None else len(path) - 1) + 1 for node, path in members])
+def _group(rows: list[int], depths: list[int], width: int, cache_len: int, keys: torch.Tensor | None,
+           dtype: torch.dtype, device: torch.device) -> RowGroup:
+    """Rows ``rows`` of one path (at ``depths``) attending over ``width`` keys: in place (``keys`` None) or the path's
+    ``keys`` (cache slots, cache first), padded to the width with the first slots (masked: weighted exactly 0)."""
+    seen = torch.tensor([cache_len + d + 1 for d in depths])
     mask = torch.where(torch.arange(width) < seen[:, None], 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None]
-    keys = None
-    if any(path is not None for _, path in members):
-        keys = torch.arange(width).repeat(len(members), 1)  # masked slots: any of the cache (weighted exactly 0)
-        for r, (_, path) in enumerate(members):
-            if path is not None:
-                keys[r, cache_len:cache_len + len(path)] = cache_len + torch.tensor(path)
-        keys = keys.flatten().to(device)
-    return RowGroup(torch.tensor([node for node, _ in members], device=device), width, keys, mask.to(device))
+    if keys is not None:
+        keys = torch.cat([keys[:width], torch.arange(max(0, width - keys.numel()))]).to(device)
+    return RowGroup(torch.tensor(rows, device=device), width, keys, mask.to(device))
 
 
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: ExactPlan | BatchPlan,
                     scale: float | None) -> torch.Tensor:
     """Attention of ``query`` (B, heads, q, d) over the cache ``key``/``value`` (B, kv_heads, slots, d), batch entry
     i by ``plan.plans[i]`` (an ``ExactPlan`` alone: a batch of one); returns (B, q, heads, d), zeros in the rows the
-    plans leave out (padding). Groups of equal shape in different entries share one call where ``plan.stacked``."""
+    plans leave out (padding). Groups of one shape share a call where the plan is stacked."""
     b, heads, q, d = query.shape
-    rows = query.transpose(1, 2)  # (B, q, heads, d)
+    calls = _calls(plan, b, q, heads, key.shape[1], d)
+    if len(calls) == 1 and calls[0].every and calls[0].span == (0, q):  # one call over every row, sliced
+        return _attend_span(calls[0], query, key, value, scale)
     out = query.new_zeros(b, q, heads, d)
-    for call in _calls(plan, b, heads, key.shape[1], d):
-        (_attend_in_place if call.in_place else _attend_gathered)(call, rows, key, value, out, scale)
+    for call in calls:
+        if call.span is not None and call.every:
+            out[:, call.span[0]:call.span[1]] = _attend_span(call, query, key, value, scale)
+        else:
+            _attend(call, query.transpose(1, 2), key, value, out, scale)
     return out
 
 
 @dataclass
 class _Call:
-    """One attention call of a pass, prepared once for all its layers."""
+    """One attention call of a pass, prepared once for all its layers: one batch entry per group, each group's query
+    blocks stacked (``m`` rows, padded to the call's largest group with copies of its last row), then zero rows up
+    to ``n`` per K/V head."""
 
-    members: list[tuple[int, RowGroup]]  # (batch entry, its group)
+    members: list[tuple[int, RowGroup]]  # (batch entry, its group): one entry of the call each
     width: int
-    in_place: bool  # the members read their entry's cache in place (else each row's keys are gathered)
-    mask: torch.Tensor  # in place: (entries, 1, query rows, width); gathered: (rows, 1, 1, width)
-    at: torch.Tensor | None = None  # in place: (entries, 1) batch entries
-    which: torch.Tensor | None = None  # in place: (entries, m) each entry's rows
+    in_place: bool  # the members read their entry's cache in place (else each group's keys are gathered)
+    mask: torch.Tensor  # (members, 1, n, width)
+    at: torch.Tensor  # (members, 1) batch entries
+    which: torch.Tensor  # (members, m) each member's rows
+    n: int  # query rows per K/V head
     every: bool = False  # in place: every batch entry, in order (the cache itself, no copy)
-    n: int = 0  # in place: query rows per K/V head (the entries' blocks stacked, then zeros)
+    span: tuple[int, int] | None = None  # in place: every entry's rows are lo..hi-1 (sliced, not indexed)
+    src: torch.Tensor | None = None  # groups of unequal sizes: the call's real rows (of members x m) ...
+    dst: torch.Tensor | None = None  # ... and where they go in the (B x q) rows of the output
+    buffer: torch.Tensor | None = None  # the zero-padded query blocks, reused by every layer
 
 
-def _calls(plan: ExactPlan | BatchPlan, b: int, heads: int, kv: int, d: int) -> list[_Call]:
-    """The calls of a pass by ``plan`` (its groups of equal shape in different entries together where it is
-    stacked), with their masks and indices built once and kept on the plan for every layer."""
-    key = (b, heads, kv, d)
+def _calls(plan: ExactPlan | BatchPlan, b: int, q: int, heads: int, kv: int, d: int) -> list[_Call]:
+    """The calls of a pass by ``plan`` (its groups of equal shape together where it is stacked), with their masks
+    and indices built once and kept on the plan for every layer."""
+    key = (b, q, heads, kv, d)
     if key in plan.prepared:
         return plan.prepared[key]
-    plans, stacked = (plan.plans, plan.stacked) if isinstance(plan, BatchPlan) else ([plan], False)
-    group = heads // kv
+    plans = plan.plans if isinstance(plan, BatchPlan) else [plan]
     by_shape: dict[tuple, list[tuple[int, RowGroup]]] = {}
     for entry, p in enumerate(plans):
         for g in p.groups if p is not None else ():
-            shape = (g.width, g.keys is None, g.rows.numel() if g.keys is None else 0)
-            by_shape.setdefault(shape if stacked else (entry, id(g)), []).append((entry, g))
-    calls = []
-    for members in by_shape.values():
-        width = members[0][1].width
-        if members[0][1].keys is not None:
-            calls.append(_Call(members, width, False, torch.cat([g.mask for _, g in members])))
-            continue
-        m = members[0][1].rows.numel()
-        n = query_rows(m * group, d)
-        mask = torch.stack([g.mask[:, 0, 0] for _, g in members]).repeat_interleave(group, 1)  # per query head
-        mask = torch.cat([mask, mask[:, -1:].expand(-1, n - m * group, -1)], 1)[:, None]
-        entries = [e for e, _ in members]
-        at = torch.tensor(entries, device=mask.device)[:, None]
-        calls.append(_Call(members, width, True, mask, at, torch.stack([g.rows for _, g in members]),
-                           entries == list(range(b)), n))
-    plan.prepared[key] = calls
-    return calls
+            m = g.rows.numel()  # in place: groups of m rows; gathered: groups padded to the same query rows
+            shape = (g.width, g.keys is None, m if g.keys is None else query_rows(m * (heads // kv), d))
+            by_shape.setdefault(shape if plan.stacked else (entry, id(g)), []).append((entry, g))
+    plan.prepared[key] = [_call(members, b, q, heads // kv, d) for members in by_shape.values()]
+    return plan.prepared[key]
 
 
-def _attend_in_place(call: _Call, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                     scale: float | None) -> None:
-    """One call for groups (one per batch entry) of ``m`` rows each that read their entry's cache in place over the
-    same width: each entry's query blocks stacked and padded once, over the entry's own K."""
+def _call(members: list[tuple[int, RowGroup]], b: int, q: int, group: int, d: int) -> _Call:
+    """The call attending ``members`` (groups of one width) in a pass of ``b`` entries of ``q`` rows."""
+    width, in_place = members[0][1].width, members[0][1].keys is None
+    sizes = [g.rows.numel() for _, g in members]
+    m = max(sizes)
+    n = query_rows(m * group, d)
+    pad = [torch.arange(m).clamp(max=size - 1) for size in sizes]  # each member's rows, its last one repeated
+    mask = torch.stack([g.mask[idx, 0, 0].to(torch.device("cpu")) for (_, g), idx in zip(members, pad)])
+    mask = mask.repeat_interleave(group, 1)  # (members, m * group, width): one row per query head
+    mask = torch.cat([mask, mask[:, -1:].expand(-1, n - m * group, -1)], 1)[:, None]
+    device = members[0][1].rows.device
+    entries = [e for e, _ in members]
+    which = torch.stack([g.rows.to(torch.device("cpu"))[idx] for (_, g), idx in zip(members, pad)])
+    call = _Call(members, width, in_place, mask.to(device), torch.tensor(entries, device=device)[:, None],
+                 which.to(device), n, every=in_place and entries == list(range(b)))
+    if min(sizes) < m:
+        call.src = torch.tensor([i * m + j for i, size in enumerate(sizes) for j in range(size)], device=device)
+        call.dst = torch.cat([e * q + g.rows.to(torch.device("cpu")) for e, g in members]).to(device)
+    elif in_place:
+        lo = int(which[0, 0])
+        if bool((which == torch.arange(lo, lo + m)).all()):
+            call.span = (lo, lo + m)
+    return call
+
+
+def _keys(call: _Call, cache: torch.Tensor) -> torch.Tensor:
+    """The call's keys (or values) from the cache (B, kv, slots, d): (members, kv, width, d)."""
+    if call.in_place:
+        return cache[:, :, :call.width] if call.every else cache[:, :, :call.width].index_select(0, call.at[:, 0])
+    kv, d = cache.shape[1], cache.shape[3]
+    parts, start = [], 0
+    while start < len(call.members):  # one gather per batch entry, its members' keys one after the other
+        entry = call.members[start][0]
+        end = start
+        while end < len(call.members) and call.members[end][0] == entry:
+            end += 1
+        keys = torch.cat([g.keys for _, g in call.members[start:end]]) if end - start > 1 else call.members[start][1].keys
+        parts.append(cache[entry].index_select(1, keys).view(kv, end - start, call.width, d).transpose(0, 1))
+        start = end
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _attend(call: _Call, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+            scale: float | None) -> None:
+    """One call: each member's query blocks stacked and padded, over its keys (in place or gathered); the real rows'
+    results written into ``out`` (B, q, heads, d)."""
     heads, d = rows.shape[2:]
     kv, (e, m) = key.shape[1], call.which.shape
     group = heads // kv
-    q1 = rows.new_zeros(e, kv, call.n, d)
+    if call.buffer is None:
+        call.buffer = rows.new_zeros(e, kv, call.n, d)  # rows past m * group stay zero
+    q1 = call.buffer
     q1[:, :, :m * group] = rows[call.at, call.which].view(e, m, kv, group, d).transpose(1, 2).reshape(
         e, kv, m * group, d)
-    if call.every:  # every entry: the cache itself, not a copy
-        k, v = key[:, :, :call.width], value[:, :, :call.width]
+    o = scaled_dot_product_attention(q1, _keys(call, key), _keys(call, value), attn_mask=call.mask, scale=scale)
+    o = o[:, :, :m * group].view(e, kv, m, group, d).transpose(1, 2)
+    if call.src is None:
+        out[call.at, call.which] = o.reshape(e, m, heads, d)
     else:
-        k, v = key[:, :, :call.width].index_select(0, call.at[:, 0]), value[:, :, :call.width].index_select(
-            0, call.at[:, 0])
-    o = scaled_dot_product_attention(q1, k, v, attn_mask=call.mask, scale=scale)
-    out[call.at, call.which] = o[:, :, :m * group].view(e, kv, m, group, d).transpose(1, 2).reshape(e, m, heads, d)
+        out.view(-1, heads, d).index_copy_(0, call.dst, o.reshape(e * m, heads, d).index_select(0, call.src))
 
 
-def _attend_gathered(call: _Call, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                     scale: float | None) -> None:
-    """One call for rows with keys of their own (a branching tree's), over the same width: each row one batch entry,
-    its keys gathered from its entry's cache."""
-    heads, d = rows.shape[2:]
-    kv, width = key.shape[1], call.width
-    group = heads // kv
-    qs, ks, vs = [], [], []
-    for e, g in call.members:
-        m = g.rows.numel()
-        q1 = rows.new_zeros(m, kv, query_rows(group, d), d)
-        q1[:, :, :group] = rows[e].index_select(0, g.rows).view(m, kv, group, d)
-        qs.append(q1)
-        ks.append(key[e].index_select(1, g.keys).view(kv, m, width, d).transpose(0, 1))  # (m, kv, width, d)
-        vs.append(value[e].index_select(1, g.keys).view(kv, m, width, d).transpose(0, 1))
-    one = len(call.members) == 1
-    o = scaled_dot_product_attention(*(parts[0] if one else torch.cat(parts) for parts in (qs, ks, vs)),
-                                     attn_mask=call.mask, scale=scale)
-    start = 0
-    for e, g in call.members:  # (m, kv, query rows, d) each
-        m = g.rows.numel()
-        out[e].index_copy_(0, g.rows, o[start:start + m, :, :group].reshape(m, heads, d))
-        start += m
+def _attend_span(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+                 ) -> torch.Tensor:
+    """``_attend`` for a call over every batch entry in place whose rows are one slice lo..hi-1: the query blocks
+    copied by slicing instead of indexing; returns the rows' attention (B, hi - lo, heads, d)."""
+    (b, heads, _, d), kv = query.shape, key.shape[1]
+    (lo, hi), group = call.span, heads // kv
+    m = hi - lo
+    if call.buffer is None:
+        call.buffer = query.new_zeros(b, kv, call.n, d)  # rows past m * group stay zero
+    q1 = call.buffer
+    if m == 1:  # a plain step's row: its query heads are already (kv, group) blocks
+        q1[:, :, :group] = query[:, :, lo].view(b, kv, group, d)
+    else:
+        q1[:, :, :m * group].view(b, kv, m, group, d).copy_(query[:, :, lo:hi].view(b, kv, group, m, d).transpose(2, 3))
+    o = scaled_dot_product_attention(q1, key[:, :, :call.width], value[:, :, :call.width], attn_mask=call.mask,
+                                     scale=scale)
+    if m == 1:
+        return o[:, :, :group].reshape(b, 1, heads, d)
+    return o[:, :, :m * group].view(b, kv, m, group, d).transpose(1, 2).reshape(b, m, heads, d)
 
 
 # --- the start-up self-test ------------------------------------------------------------------------------
@@ -330,6 +386,7 @@ class ExactSupport:
     batched: bool = True  # rows of equal width share an attention call
     reason: str = ""  # why not exact
     chunked: dict[nn.Module, int] = field(default_factory=dict)  # packed linears run on at most that many rows
+    padded: dict[nn.Module, int] = field(default_factory=dict)  # packed linears run on at least that many rows
 
 
 def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
@@ -342,31 +399,40 @@ def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
         return ExactSupport(False, reason=f"the model attends with '{impl}', not 'sdpa'")
     param = next(p for p in model.parameters() if p.is_floating_point())
     device, dtype = param.device, param.dtype
+    sizes = tuple(1 << i for i in range(buckets[-1].bit_length()) if 1 << i <= buckets[-1])  # batched passes: 2^i
     found = {}
     for name, module in model.named_modules():
         if hasattr(module, "in_features") and hasattr(module, "out_features"):
-            found[name, module] = row_range(module, module.in_features, buckets, device, dtype)  # cached per shape
-    least = max(least for least, _ in found.values())
-    chunked = {}
-    for (name, module), (_, most) in found.items():
-        if most < max(least, buckets[-1]) and (most < least or not isinstance(module, PackedLinear)):
+            found[name, module] = row_range(module, module.in_features, sizes, device, dtype)  # cached per shape
+    dense = [least for (_, module), (least, _) in found.items() if not isinstance(module, PackedLinear)]
+    # the pass itself runs on a dense linear's least rows, or on 2 when every linear needs them (one padding row
+    # then costs less than one in each linear); a packed linear needing more rows than the pass pads its own input
+    least = max(dense, default=1) if min(least for least, _ in found.values()) < 2 else 2
+    chunked, padded = {}, {}
+    for (name, module), (module_least, most) in found.items():
+        if most < buckets[-1] and not isinstance(module, PackedLinear):
             return ExactSupport(False, reason=f"{name} ({module.in_features} -> {module.out_features}) gives a row "
                                               f"other bits in a pass of more than {most} rows")
         if most < buckets[-1]:
             chunked[module] = most
-    return ExactSupport(True, least, batching_keeps_rows(*attention_layout(model.config)[1:], device, dtype), chunked=chunked)
+        if module_least > least:
+            padded[module] = module_least
+    return ExactSupport(True, least, batching_keeps_rows(*attention_layout(model.config)[1:], device, dtype),
+                        chunked=chunked, padded=padded)
 
 
 @contextmanager
 def row_chunks(support: ExactSupport):
     """Inside, the packed linears the self-test found row-variant in large passes run in chunks that keep each row's
-    bits."""
+    bits, and those that compute fewer rows than the pass's least with other bits run padded."""
     for module, rows in support.chunked.items():
         module.max_rows = rows
+    for module, rows in support.padded.items():
+        module.min_rows = rows
     try:
         yield
     finally:
         for module in support.chunked:
             module.max_rows = 0
-
-
+        for module in support.padded:
+            module.min_rows = 1

@@ -94,6 +94,7 @@ class PackedLinear(nn.Module):
         self.dtype, self.batch_hint = linear.weight.dtype, batch_hint
         self.blocks = 0
         self.max_rows = 0  # > 0: at most this many rows per matmul (the exact pass sets it: selfspec/exact.py)
+        self.min_rows = 1  # fewer rows run padded with zero rows to this many (the exact pass sets it too)
         self.key = next(_KEYS)
         _LIVE[self.key] = weakref.ref(self, lambda _, key=self.key: _LIVE.pop(key, None))
         self._pack(linear.weight)
@@ -115,10 +116,23 @@ class PackedLinear(nn.Module):
         return self.eager_forward(x)
 
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed matmul (at most ``self.max_rows`` rows per call, if set)."""
-        if self.max_rows and x.dim() > 1 and x.shape[-2] > self.max_rows:
-            return torch.cat([self._matmul(part) for part in x.split(self.max_rows, dim=-2)], dim=-2)
+        """The packed matmul over ``x``'s rows (every dimension but the last): at most ``self.max_rows`` rows per
+        call if set, at least ``self.min_rows`` (zero rows added)."""
+        rows = x.numel() // self.in_features
+        if self.max_rows and rows > self.max_rows:
+            flat = x.reshape(rows, self.in_features)
+            out = torch.cat([self._padded(part) for part in flat.split(self.max_rows)])
+            return out.view(*x.shape[:-1], self.out_features)
+        if rows < self.min_rows:
+            return self._padded(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         return self._matmul(x)
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (rows, in) through the matmul on at least ``self.min_rows`` rows."""
+        rows = x.shape[0]
+        if rows >= self.min_rows:
+            return self._matmul(x)
+        return self._matmul(torch.cat([x, x.new_zeros(self.min_rows - rows, self.in_features)]))[:rows]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks == 1:

@@ -17,6 +17,7 @@ from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.heads import init_heads, make_drafter
+from selfspec.packed_linear import PackedLinear
 from selfspec.target_pass import make_target_pass
 from selfspec.tree import DraftTree
 
@@ -134,6 +135,31 @@ def test_the_self_test_detects_a_row_variant_linear(monkeypatch) -> None:
     assert not target.exact and "down_proj" in target.support.reason and "16 rows" in target.support.reason
 
 
+class LoneRowVariant(PackedLinear):
+    """A packed linear whose one-row product (a matrix-vector kernel) rounds otherwise than 2 or more rows do."""
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out = super()._matmul(x)
+        return out + torch.finfo(out.dtype).eps * out.abs() if x.numel() == self.in_features else out
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+def test_a_packed_linear_that_computes_a_lone_row_otherwise_runs_it_beside_a_zero_row(monkeypatch) -> None:
+    monkeypatch.setattr(exact, "_ROWS", {})
+    model = bf16_model(0, "llama")
+    target = make_target_pass(model, "static")  # packs the linears
+    mlp = model.model.layers[1].mlp
+    mlp.down_proj = LoneRowVariant(nn.Linear(128, 64, bias=False, dtype=torch.bfloat16))
+    monkeypatch.setattr(exact, "_ROWS", {})
+    support = exact.check_exact(model, target.buckets)
+    assert support.exact and support.least == 1 and support.padded == {mlp.down_proj: 2}  # only it, not the pass
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    with exact.row_chunks(support):
+        assert torch.equal(mlp.down_proj(x[:1]), mlp.down_proj(x)[:1])
+    assert not torch.equal(mlp.down_proj(x[:1]), mlp.down_proj(x)[:1])  # the negative control, outside
+    assert mlp.down_proj.min_rows == 1
+
+
 def test_an_attention_kernel_that_batches_rows_differently_is_run_row_by_row(monkeypatch) -> None:
     """If batching rows changed a row's bits, every row gets its own call (the plan's fallback)."""
     real = exact.scaled_dot_product_attention
@@ -151,17 +177,24 @@ def test_an_attention_kernel_that_batches_rows_differently_is_run_row_by_row(mon
 
 
 def test_plans_keep_every_rows_keys_in_plain_order() -> None:
-    """A branching row gathers the cache, then its ancestors in depth order, then itself; chain rows read in place."""
-    plan = exact.plan_pass([-1, 0, 1, 0, 3], [0, 1, 2, 1, 2], 5, 64, torch.float32, torch.device("cpu"))
+    """A branching row sees the cache, then its ancestors in depth order, then itself; the chain after the root reads
+    in place; a path's rows share one gathered key sequence."""
+    parents = [-1, 0, 1, 0, 3, 0, 4, 4]
+    depth = [0, 1, 2, 1, 2, 1, 3, 3]
+    plan = exact.plan_pass(parents, depth, 5, 64, torch.float32, torch.device("cpu"))
     rows = {}
     for g in plan.groups:
         for r, node in enumerate(g.rows.tolist()):
             seen = int((g.mask[r, 0, 0] == 0).sum())
-            keys = list(range(g.width)) if g.keys is None else g.keys.view(-1, g.width)[r].tolist()
+            keys = list(range(g.width)) if g.keys is None else g.keys.tolist()
             rows[node] = (keys[:seen], g.width, g.keys is None)
     assert rows[2] == ([0, 1, 2, 3, 4, 5, 6, 7], 32, True)
-    assert rows[4] == ([0, 1, 2, 3, 4, 5, 8, 9], 32, False)
     assert rows[3] == ([0, 1, 2, 3, 4, 5, 8], 32, False)
+    assert rows[4] == ([0, 1, 2, 3, 4, 5, 8, 9], 32, False)
+    assert rows[6] == ([0, 1, 2, 3, 4, 5, 8, 9, 11], 32, False)
+    assert rows[7] == ([0, 1, 2, 3, 4, 5, 8, 9, 12], 32, False)
+    assert rows[5] == ([0, 1, 2, 3, 4, 5, 10], 32, False)
+    assert sorted(g.rows.tolist() for g in plan.groups) == [[0, 1, 2], [3, 4, 6], [5], [7]]  # one group per path
     assert exact.width_for(31, 1000) == 32 and exact.width_for(32, 1000) == 64 and exact.width_for(900, 600) == 600
 
 

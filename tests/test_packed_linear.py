@@ -35,6 +35,31 @@ def test_packed_linear_computes_the_dense_product(dtype, bias):
     assert bias == (back.bias is not None) and (not bias or torch.equal(back.bias, linear.bias))
 
 
+def test_row_limits_run_the_rows_of_every_leading_dimension_in_chunks_and_lone_rows_padded(monkeypatch):
+    """``max_rows`` counts the rows of a batched (B, tokens, in) input, not its last-but-one dimension; ``min_rows``
+    runs fewer rows beside zero rows; the results are the unlimited module's (each row sliced back in place)."""
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(48, 80, bias=True))
+    calls = []
+    real = packed._matmul
+    monkeypatch.setattr(packed, "_matmul", lambda x: calls.append(x.shape[0] if x.dim() == 2 else x.shape) or real(x))
+    x = torch.randn(4, 8, 48)
+    want = packed(x)
+    packed.max_rows = 8
+    calls.clear()
+    torch.testing.assert_close(packed(x), want, atol=0, rtol=0)
+    assert calls == [8, 8, 8, 8]  # 32 rows in chunks of 8 (the old split of the 8 tokens ran one 32-row call)
+    packed.max_rows, packed.min_rows = 0, 2
+    calls.clear()
+    one = torch.randn(1, 1, 48)
+    assert packed(one).shape == (1, 1, 80)
+    torch.testing.assert_close(packed(one), real(one), atol=1e-5, rtol=1e-5)
+    assert calls[0] == 2  # the lone row ran beside a zero row
+    calls.clear()
+    packed(x)
+    assert calls == [(4, 8, 48)]  # enough rows: one call, untouched
+
+
 def test_a_compiled_graph_calls_the_packed_matmul_as_one_opaque_operator():
     """Compiled code shares the module's packed weight (no copy per graph) and computes exactly its product."""
     torch.manual_seed(1)

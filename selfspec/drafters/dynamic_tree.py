@@ -69,8 +69,22 @@ class Candidates:
         """Up to ``budget`` nodes with the best scores whose parents are kept too, in creation order."""
         return sorted(self.ranked(budget))
 
+    def depth_first(self, nodes: list[int]) -> list[int]:
+        """``nodes`` (ancestor-closed) depth first, each node's children best score first: the likeliest path comes
+        right after the root, where an exact target pass reads it in place (``selfspec/exact.py``)."""
+        children: dict[int, list[int]] = {}
+        for n in nodes:
+            children.setdefault(self.parents[n], []).append(n)
+        order, stack = [], sorted(children.get(-1, []), key=lambda n: self.scores[n])
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack += sorted(children.get(n, []), key=lambda c: self.scores[c])  # the best popped first
+        return order
+
     def to_tree(self, root: int, nodes: list[int]) -> DraftTree:
-        """The draft tree of ``nodes`` (ancestor-closed, creation order) below ``root``."""
+        """The draft tree of ``nodes`` (ancestor-closed) below ``root``, depth first."""
+        nodes = self.depth_first(nodes)
         where = {n: i + 1 for i, n in enumerate(nodes)}
         parents = [-1] + [where.get(self.parents[n], 0) for n in nodes]
         tokens = torch.tensor([root] + [self.tokens[n] for n in nodes], dtype=torch.long)
