@@ -159,12 +159,13 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     plans leave out (padding). Groups of one shape share a call where the plan is stacked."""
     b, heads, q, d = query.shape
     calls = _calls(plan, b, q, heads, key.shape[1], d)
-    if len(calls) == 1 and calls[0].every and calls[0].span == (0, q):  # one call over every row, sliced
+    if len(calls) == 1 and calls[0].run == (0, b) and calls[0].span == (0, q):  # one call over every row, sliced
         return _attend_span(calls[0], query, key, value, scale)
     out = query.new_zeros(b, q, heads, d)
     for call in calls:
-        if call.span is not None and call.every:
-            out[:, call.span[0]:call.span[1]] = _attend_span(call, query, key, value, scale)
+        if call.span is not None and call.run is not None:
+            (a, z), (lo, hi) = call.run, call.span
+            out[a:z, lo:hi] = _attend_span(call, query[a:z], key[a:z], value[a:z], scale)
         else:
             _attend(call, query.transpose(1, 2), key, value, out, scale)
     return out
@@ -183,7 +184,7 @@ class _Call:
     at: torch.Tensor  # (members, 1) batch entries
     which: torch.Tensor  # (members, m) each member's rows
     n: int  # query rows per K/V head
-    every: bool = False  # in place: every batch entry, in order (the cache itself, no copy)
+    run: tuple[int, int] | None = None  # in place: the members are batch entries a..z-1 in order (their cache, no copy)
     span: tuple[int, int] | None = None  # in place: every entry's rows are lo..hi-1 (sliced, not indexed)
     src: torch.Tensor | None = None  # groups of unequal sizes: the call's real rows (of members x m) ...
     dst: torch.Tensor | None = None  # ... and where they go in the (B x q) rows of the output
@@ -221,7 +222,9 @@ def _call(members: list[tuple[int, RowGroup]], b: int, q: int, group: int, d: in
     entries = [e for e, _ in members]
     which = torch.stack([g.rows.to(torch.device("cpu"))[idx] for (_, g), idx in zip(members, pad)])
     call = _Call(members, width, in_place, mask.to(device), torch.tensor(entries, device=device)[:, None],
-                 which.to(device), n, every=in_place and entries == list(range(b)))
+                 which.to(device), n)
+    if in_place and entries == list(range(entries[0], entries[-1] + 1)):
+        call.run = (entries[0], entries[-1] + 1)
     if min(sizes) < m:
         call.src = torch.tensor([i * m + j for i, size in enumerate(sizes) for j in range(size)], device=device)
         call.dst = torch.cat([e * q + g.rows.to(torch.device("cpu")) for e, g in members]).to(device)
@@ -235,7 +238,9 @@ def _call(members: list[tuple[int, RowGroup]], b: int, q: int, group: int, d: in
 def _keys(call: _Call, cache: torch.Tensor) -> torch.Tensor:
     """The call's keys (or values) from the cache (B, kv, slots, d): (members, kv, width, d)."""
     if call.in_place:
-        return cache[:, :, :call.width] if call.every else cache[:, :, :call.width].index_select(0, call.at[:, 0])
+        if call.run is not None:
+            return cache[call.run[0]:call.run[1], :, :call.width]
+        return cache[:, :, :call.width].index_select(0, call.at[:, 0])
     kv, d = cache.shape[1], cache.shape[3]
     parts, start = [], 0
     while start < len(call.members):  # one gather per batch entry, its members' keys one after the other
@@ -271,8 +276,9 @@ def _attend(call: _Call, rows: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def _attend_span(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
                  ) -> torch.Tensor:
-    """``_attend`` for a call over every batch entry in place whose rows are one slice lo..hi-1: the query blocks
-    copied by slicing instead of indexing; returns the rows' attention (B, hi - lo, heads, d)."""
+    """``_attend`` for a call in place over batch entries a..z-1 whose rows are one slice lo..hi-1, given those
+    entries' ``query``, ``key`` and ``value``: the query blocks copied by slicing instead of indexing; returns the
+    rows' attention (z - a, hi - lo, heads, d)."""
     (b, heads, _, d), kv = query.shape, key.shape[1]
     (lo, hi), group = call.span, heads // kv
     m = hi - lo
