@@ -187,3 +187,25 @@ def test_each_small_data_lever_adds_its_documented_term(lever: str) -> None:
                     by_hand += 0.5 ** (k - 1) * float(term)
     torch.testing.assert_close(float(on - off), weight * by_hand, rtol=1e-4, atol=1e-5)
     assert by_hand > 0
+
+
+def test_the_unroll_curriculum_grows_one_step_per_stage_and_its_loss_is_that_unrolls() -> None:
+    """``curriculum_steps=2, unroll=3``: optimizer steps 0-1 unroll 1 step, 2-3 two, 4 on three; the loss at a step
+    is exactly the loss of the plain settings with that unroll (only steps up to it scored)."""
+    from selfspec.train.common import settings_at
+    from selfspec.train.eagle3 import Eagle3Loss, features, loss
+
+    plan = Eagle3Loss(unroll=3, curriculum_steps=2)
+    assert [settings_at(plan, s).unroll for s in range(7)] == [1, 1, 2, 2, 3, 3, 3]
+    assert settings_at(Eagle3Loss(unroll=3), 0) == Eagle3Loss(unroll=3)  # no curriculum: as given
+    with pytest.raises(ValueError, match="curriculum_steps"):
+        Eagle3Loss(curriculum_steps=-1)
+    model = tiny_model(2, vocab=64, layers=3)
+    head = perturb(init_heads("eagle3", model, draft_vocab_size=48), 2)
+    x = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": x, "loss_mask": torch.ones_like(x), **features(model, head, x)}
+    with torch.no_grad():
+        for step, unroll in ((0, 1), (3, 2), (9, 3)):
+            got, parts = loss(head, model, batch, settings_at(plan, step))
+            want, want_parts = loss(head, model, batch, Eagle3Loss(unroll=unroll))
+            assert torch.equal(got, want) and list(parts) == [f"kl{k}" for k in range(1, unroll + 1)] == list(want_parts)

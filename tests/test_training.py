@@ -366,3 +366,64 @@ def test_a_frozen_eagle3_lm_head_keeps_the_targets_rows(chat_file: Path, tmp_pat
     assert heads.config.train_lm_head is False
     assert torch.equal(lm, lm_head_rows(model, heads.draft_ids())[0].to(lm))
     assert not torch.equal(fc, start.fc.weight.to(fc))  # the rest trained
+
+
+def test_an_unroll_curriculum_scores_more_steps_as_training_goes_on(chat_file: Path, tmp_path: Path) -> None:
+    """The loop hands the loss its settings at each optimizer step: the log's parts show one unrolled step for the
+    first ``curriculum_steps`` steps, then two."""
+    model, tok = tiny_model(0, vocab=VOCAB, layers=2), make_tokenizer()
+    train(_cfg("eagle3", chat_file, tmp_path, head_args={"draft_vocab_size": 100},
+               loss_args={"unroll": 2, "curriculum_steps": 3}, max_steps=5), model, tok)
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "step" in r]
+    assert [("kl2" in r) for r in steps] == [False, False, False, True, True]
+    assert all("kl1" in r for r in steps)
+
+
+def test_warm_start_copies_every_tensor_that_fits_and_reports_the_rest() -> None:
+    """eagle -> eagle3: the one decoder layer's MLP, output projection and norms and the final norm are copied under
+    their eagle3 names; the attention's inputs (twice as wide) and fc (three layers) are another shape; eagle3's
+    hidden norm and LM head are not in an eagle checkpoint. Vocabulary rows are copied only with the vocabulary."""
+    from selfspec.heads import init_heads
+    from selfspec.train.warm_start import copy_fitting, draft_vocabulary, part_name, same_vocabulary_size
+
+    model = tiny_model(0, vocab=VOCAB, layers=3)
+    eagle = init_heads("eagle", model, draft_vocab_size=100)
+    with torch.no_grad():
+        for p in eagle.parameters():
+            p.add_(torch.randn_like(p))
+    eagle3 = init_heads("eagle3", model, draft_vocab_size=100)
+    assert same_vocabulary_size(eagle3, eagle) and draft_vocabulary(eagle).numel() == 100
+    report = copy_fitting(eagle3, eagle, vocabulary=True, name="eagle")
+    theirs = {part_name(k): v for k, v in eagle.state_dict().items()}
+    mine = eagle3.state_dict()
+    assert sorted(report.loaded) == sorted(
+        [f"midlayer.{n}.weight" for n in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                                          "input_layernorm", "post_attention_layernorm")] + ["norm.weight"])
+    assert all(torch.equal(mine[k], theirs[part_name(k)]) for k in report.loaded)
+    assert sorted(report.reshaped) == ["fc.weight", "midlayer.self_attn.k_proj.weight",
+                                       "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.v_proj.weight"]
+    assert sorted(report.missing) == ["lm_head.weight", "midlayer.hidden_norm.weight"]
+    assert report.parameters == sum(mine[k].numel() for k in report.loaded)
+    source3 = init_heads("eagle3", model, draft_vocab_size=100)
+    assert "lm_head.weight" in copy_fitting(eagle3, source3, vocabulary=True, name="e3").loaded
+    assert "lm_head.weight" in copy_fitting(eagle3, source3, vocabulary=False, name="e3").reshaped  # other rows
+
+
+def test_a_warm_started_run_takes_the_sources_vocabulary_and_records_what_it_copied(chat_file: Path,
+                                                                                  tmp_path: Path) -> None:
+    from selfspec.train.warm_start import draft_vocabulary
+
+    model, tok = tiny_model(0, vocab=VOCAB, layers=2), make_tokenizer()
+    eagle_folder = train(_cfg("eagle", chat_file, tmp_path / "eagle", head_args={"draft_vocab_size": 60},
+                              max_steps=2), model, tok)
+    eagle, _ = load_heads(model, eagle_folder, tokenizer=tok)
+    with pytest.raises(SelfspecError, match="give one"):
+        _cfg("eagle3", chat_file, tmp_path / "x", warm_start=str(eagle_folder), init_from=str(eagle_folder))
+    folder = train(_cfg("eagle3", chat_file, tmp_path / "eagle3", head_args={"draft_vocab_size": 60},
+                        warm_start=str(eagle_folder), max_steps=1), model, tok)
+    heads, _ = load_heads(model, folder, tokenizer=tok)
+    assert torch.equal(draft_vocabulary(heads).sort().values, draft_vocabulary(eagle).sort().values)
+    report = json.loads((tmp_path / "eagle3" / "train_config.json").read_text())["warm_start_report"]
+    assert report["vocabulary"] and "midlayer.mlp.down_proj.weight" in report["loaded"]
+    assert "lm_head.weight" in report["missing"]

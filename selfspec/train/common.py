@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,3 +89,10 @@ def draft_vocab_counts(examples: list[dict[str, torch.Tensor]], vocab: int) -> t
     for ex in examples:
         counts.index_add_(0, ex["input_ids"][ex["loss_mask"].bool()], torch.ones(int(ex["loss_mask"].sum())))
     return counts
+
+
+def settings_at(args: Any, step: int) -> Any:
+    """A family's loss settings in effect at optimizer step ``step``: its ``at(step)`` where it has a schedule (e.g.
+    eagle3's unroll curriculum), else the settings as given."""
+    at = getattr(args, "at", None)
+    return args if at is None else at(step)

@@ -36,7 +36,8 @@ class TrainConfig:
     head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
     loss_args: dict[str, Any] = field(default_factory=dict)  # the family's loss settings (its objective's args)
     init_from: str = ""  # a heads folder to continue from (same family and shapes), e.g. a shorter run's
-    recount_draft_vocab: bool = False  # EAGLE with --init-from: choose the draft vocabulary again from this run's data
+    warm_start: str = ""  # a heads folder of any family for this target: every tensor that fits copied, the rest reported
+    recount_draft_vocab: bool = False  # EAGLE with --init-from or --warm-start: choose the draft vocabulary again from this run's data
     data: str = "sharegpt"  # sharegpt | humaneval | .json/.jsonl file (e.g. generate_data.py's) | hub id; or several, comma-separated
     max_examples: int = 2000
     max_length: int = 512
@@ -67,6 +68,8 @@ class TrainConfig:
             raise SelfspecError("mixed_precision must be no, bf16 or fp16")
         if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
             raise SelfspecError("batch_size, gradient_accumulation_steps and epochs must be >= 1")
+        if self.warm_start and self.init_from:
+            raise SelfspecError("--warm-start and --init-from both choose where the heads start: give one")
         self.loss = loss_settings(self.family, self.loss_args)  # checked now, before any model loads
 
 

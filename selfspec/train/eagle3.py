@@ -11,12 +11,13 @@ positions whose next token lies outside the draft vocabulary are masked. Step k 
 Levers for small data (``Eagle3Loss``, off by default until measured): ``feature_weight`` adds EAGLE-1's dense
 target, a smooth-L1 regression of the head's normed output onto the target's final state at the position whose
 next token it predicts; ``topk_weight`` adds HASS's top-K distillation, the cross-entropy to the teacher's
-probabilities of its ``topk`` most likely draft tokens only.
+probabilities of its ``topk`` most likely draft tokens only; ``curriculum_steps`` grows the unroll with training
+(GRIFFIN): one step for the first ``curriculum_steps`` optimizer steps, two for the next, and so on up to ``unroll``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +34,19 @@ class Eagle3Loss:
     feature_weight: float = 0.0  # EAGLE-1's dense target: + this x smooth-L1(norm(h), the target's state there)
     topk: int = 10  # the teacher's top tokens the top-K term distills (HASS)
     topk_weight: float = 0.0  # + this x cross-entropy to the teacher's probabilities of its top-K tokens only
+    curriculum_steps: int = 0  # > 0: unroll 1 step for this many optimizer steps, then 2, ... up to unroll (GRIFFIN)
 
     def __post_init__(self) -> None:
         if self.unroll < 1:
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
-        if self.topk < 1 or self.feature_weight < 0 or self.topk_weight < 0:
-            raise ValueError("topk must be >= 1 and the weights >= 0")
+        if self.topk < 1 or self.feature_weight < 0 or self.topk_weight < 0 or self.curriculum_steps < 0:
+            raise ValueError("topk must be >= 1, the weights and curriculum_steps >= 0")
+
+    def at(self, step: int) -> Eagle3Loss:
+        """The settings in effect at optimizer step ``step`` (0-based): the curriculum's unroll at that step."""
+        if not self.curriculum_steps:
+            return self
+        return replace(self, unroll=min(self.unroll, 1 + step // self.curriculum_steps), curriculum_steps=0)
 
 
 @torch.no_grad()

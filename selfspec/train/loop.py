@@ -36,9 +36,11 @@ from ..heads import init_heads
 from ..zoo import load_model
 from .batches import epoch_order, rank_micro_batches, step_examples, steps_per_epoch
 from .card import model_card
+from .common import settings_at
 from .config import MOVED, TrainConfig, config_dict
 from .features import TokenDataset, build_feature_cache, pad_batch, tokenize_all
 from .objectives import depth_accuracy, feature_keys, feature_settings, head_loss, prepare_heads, target_features
+from .warm_start import WarmStart, copy_fitting, draft_vocabulary, same_vocabulary_size, vocabulary_example
 
 
 def load_examples(cfg: TrainConfig, tokenizer, split: str, limit: int) -> list[dict[str, torch.Tensor]]:
@@ -210,6 +212,16 @@ def starting_heads(cfg: TrainConfig, target, tokenizer) -> torch.nn.Module:
     return heads
 
 
+def warm_started(cfg: TrainConfig, heads: torch.nn.Module, target, tokenizer,
+                 examples: list[dict[str, torch.Tensor]]) -> WarmStart:
+    """Prepare fresh ``heads`` (with ``cfg.warm_start``'s draft vocabulary where it has one of the same size, unless
+    ``--recount-draft-vocab``) and copy every tensor of those heads that fits (``selfspec/train/warm_start.py``)."""
+    source, _ = load_heads(target, cfg.warm_start, tokenizer=tokenizer)
+    vocabulary = same_vocabulary_size(heads, source) and not cfg.recount_draft_vocab
+    prepare_heads(heads, target, [vocabulary_example(draft_vocabulary(source))] if vocabulary else examples)
+    return copy_fitting(heads, source, vocabulary, cfg.warm_start)
+
+
 def training_set(cfg: TrainConfig, accelerator, target, heads, examples: list[dict[str, torch.Tensor]], out: Path):
     """The training examples with the target's states cached on disk (``cfg.cache_features``), or tokens only.
     Every process computes its share of the cache's shards."""
@@ -268,14 +280,15 @@ def step_batches(cfg: TrainConfig, accelerator, run: Prepared, epoch: int, step:
     return micro_batches(cfg, accelerator, run.train_set, examples)
 
 
-def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batches: list[dict[str, torch.Tensor]]
-               ) -> dict[str, float]:
+def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batches: list[dict[str, torch.Tensor]],
+               step: int = 0) -> dict[str, float]:
     """One optimizer step over this process's micro-batches: each loss is a sum over its tokens, scaled by the
     number of loss tokens of the whole step (every micro-batch of every process), so each token weighs the same
     wherever it lands; backward (gradients exchanged at the last micro-batch only), clip, step. Returns the step's
     loss and its parts over the loss-mask tokens of the whole step (the same on every process; a family may skip
     some of those positions, eagle3 the undraftable ones, unrolled steps the first ones, but the divisor is this
-    count whatever the split)."""
+    count whatever the split). ``step``: the optimizer step's index, for loss settings on a schedule."""
+    args = settings_at(cfg.loss, step)
     tokens = accelerator.reduce(sum(b["loss_mask"].sum() for b in batches).to(accelerator.device), "sum")
     scale = accelerator.num_processes / tokens.clamp(min=1)  # DDP averages the processes' gradients: undo it
     sums = None
@@ -283,7 +296,7 @@ def train_step(cfg: TrainConfig, accelerator, run: Prepared, target, batches: li
         last = i == len(batches) - 1
         with nullcontext() if last else accelerator.no_sync(run.heads):
             with accelerator.autocast():  # mixed precision covers the whole loss, the frozen LM head included
-                loss, parts = head_loss(run.heads, target, with_features(batch, target, run.heads), cfg.loss)
+                loss, parts = head_loss(run.heads, target, with_features(batch, target, run.heads), args)
             accelerator.backward(loss * scale)
         values = torch.stack([loss.detach().float(), *(v.float() for v in parts.values())])
         sums = values if sums is None else sums + values
@@ -306,7 +319,7 @@ def run_epochs(cfg: TrainConfig, accelerator, run: Prepared, target, out: Path, 
     run.heads.train()
     while step < stop_at:
         epoch, in_epoch = divmod(step, run.steps_per_epoch)
-        row = train_step(cfg, accelerator, run, target, step_batches(cfg, accelerator, run, epoch, in_epoch))
+        row = train_step(cfg, accelerator, run, target, step_batches(cfg, accelerator, run, epoch, in_epoch), step)
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.4f}")
@@ -376,12 +389,19 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
     target, _ = frozen_target(cfg, accelerator, target, tokenizer)
     set_seed(cfg.seed)  # after loading: the heads start the same however the target was loaded (or passed in)
     heads = starting_heads(cfg, target, tokenizer)
-    if not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
+    warm = None
+    if cfg.warm_start:
+        warm = warm_started(cfg, heads, target, tokenizer, train_ex)
+        accelerator.print(warm.summary())
+    elif not cfg.init_from or cfg.recount_draft_vocab:  # a continued run keeps its draft vocabulary unless told
         prepare_heads(heads, target, train_ex)
     run = prepare(cfg, accelerator, heads, training_set(cfg, accelerator, target, heads, train_ex, out), eval_ex)
     step = resume(cfg, accelerator, out)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(run_settings(cfg, accelerator), indent=2))
+        settings = run_settings(cfg, accelerator)
+        if warm is not None:  # recorded, not compared on resume
+            settings["warm_start_report"] = asdict(warm)
+        (out / "train_config.json").write_text(json.dumps(settings, indent=2))
     run_epochs(cfg, accelerator, run, target, out, step)
     return write_heads(cfg, accelerator, run, target, tokenizer, out, len(train_ex))
