@@ -248,8 +248,8 @@ def _keys(call: _Call, cache: torch.Tensor) -> torch.Tensor:
         end = start
         while end < len(call.members) and call.members[end][0] == entry:
             end += 1
-        keys = torch.cat([g.keys for _, g in call.members[start:end]]) if end - start > 1 else call.members[start][1].keys
-        parts.append(cache[entry].index_select(1, keys).view(kv, end - start, call.width, d).transpose(0, 1))
+        keys = [g.keys for _, g in call.members[start:end]]
+        parts.append(cache[entry].index_select(1, keys[0] if len(keys) == 1 else torch.cat(keys)).view(kv, end - start, call.width, d).transpose(0, 1))
         start = end
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

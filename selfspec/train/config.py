@@ -36,7 +36,7 @@ class TrainConfig:
     head_args: dict[str, Any] = field(default_factory=dict)  # the family's hyperparameters
     loss_args: dict[str, Any] = field(default_factory=dict)  # the family's loss settings (its objective's args)
     init_from: str = ""  # a heads folder to continue from (same family and shapes), e.g. a shorter run's
-    warm_start: str = ""  # a heads folder of any family for this target: every tensor that fits copied, the rest reported
+    warm_start: str = ""  # heads of any family for this target to start from: what fits copied, the rest reported
     recount_draft_vocab: bool = False  # EAGLE with --init-from or --warm-start: choose the draft vocabulary again from this run's data
     data: str = "sharegpt"  # sharegpt | humaneval | .json/.jsonl file (e.g. generate_data.py's) | hub id; or several, comma-separated
     max_examples: int = 2000
