@@ -427,3 +427,10 @@ def test_a_warm_started_run_takes_the_sources_vocabulary_and_records_what_it_cop
     report = json.loads((tmp_path / "eagle3" / "train_config.json").read_text())["warm_start_report"]
     assert report["vocabulary"] and "midlayer.mlp.down_proj.weight" in report["loaded"]
     assert "lm_head.weight" in report["missing"]
+
+
+def test_a_warm_start_folder_that_holds_no_heads_is_one_line_before_the_model_loads(chat_file: Path,
+                                                                                    tmp_path: Path) -> None:
+    with pytest.raises(SelfspecError) as refused:
+        train(_cfg("eagle3", chat_file, tmp_path / "out", base_model="no-such-model", warm_start=str(tmp_path)))
+    assert str(tmp_path) in str(refused.value) and "\n" not in str(refused.value)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint import load_heads, save_heads
+from ..checkpoint import check_heads_folder, load_heads, save_heads
 from ..data import load_chat_dataset
 from ..data.load import iter_examples
 from ..errors import SelfspecError
@@ -372,6 +372,8 @@ def train(cfg: TrainConfig, target: torch.nn.Module | None = None, tokenizer=Non
 
     out = Path(cfg.output_dir)
     check_data(cfg)  # before the model loads
+    if cfg.warm_start:
+        check_heads_folder(cfg.warm_start)  # a wrong folder is one line before the model loads
     # gradient accumulation is the loop's own (train_step): every micro-batch of a step is known before its first
     # cpu: torchrun's processes on a machine without an accelerator form a gloo group (else each trains alone)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.accelerator.is_available())
