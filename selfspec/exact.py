@@ -159,15 +159,17 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     plans leave out (padding). Groups of one shape share a call where the plan is stacked."""
     b, heads, q, d = query.shape
     calls = _calls(plan, b, q, heads, key.shape[1], d)
-    if len(calls) == 1 and calls[0].run == (0, b) and calls[0].span == (0, q):  # one call over every row, sliced
-        return _attend_span(calls[0], query, key, value, scale)
+    if len(calls) == 1 and calls[0].run == (0, b) and calls[0].span == (0, q):  # one call over every row
+        return _attend(calls[0], query, key, value, scale)
     out = query.new_zeros(b, q, heads, d)
     for call in calls:
+        rows = _attend(call, query, key, value, scale)
         if call.span is not None and call.run is not None:
-            (a, z), (lo, hi) = call.run, call.span
-            out[a:z, lo:hi] = _attend_span(call, query[a:z], key[a:z], value[a:z], scale)
+            out[call.run[0]:call.run[1], call.span[0]:call.span[1]] = rows
+        elif call.src is None:
+            out[call.at, call.which] = rows
         else:
-            _attend(call, query.transpose(1, 2), key, value, out, scale)
+            out.view(-1, heads, d).index_copy_(0, call.dst, rows.reshape(-1, heads, d).index_select(0, call.src))
     return out
 
 
@@ -248,52 +250,30 @@ def _keys(call: _Call, cache: torch.Tensor) -> torch.Tensor:
         end = start
         while end < len(call.members) and call.members[end][0] == entry:
             end += 1
-        keys = [g.keys for _, g in call.members[start:end]]
-        parts.append(cache[entry].index_select(1, keys[0] if len(keys) == 1 else torch.cat(keys)).view(kv, end - start, call.width, d).transpose(0, 1))
+        keys = torch.cat([g.keys for _, g in call.members[start:end]])
+        parts.append(cache[entry].index_select(1, keys).view(kv, end - start, call.width, d).transpose(0, 1))
         start = end
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _attend(call: _Call, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-            scale: float | None) -> None:
-    """One call: each member's query blocks stacked and padded, over its keys (in place or gathered); the real rows'
-    results written into ``out`` (B, q, heads, d)."""
-    heads, d = rows.shape[2:]
-    kv, (e, m) = key.shape[1], call.which.shape
-    group = heads // kv
+def _attend(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+            ) -> torch.Tensor:
+    """One call: each member's query blocks stacked into the call's zero-padded buffer (sliced from ``query`` where
+    the members are a run of entries with the same rows, else indexed), attended over its keys; returns the
+    members' rows (members, m, heads, d)."""
+    (_, heads, _, d), kv = query.shape, key.shape[1]
+    (e, m), group = call.which.shape, heads // kv
     if call.buffer is None:
-        call.buffer = rows.new_zeros(e, kv, call.n, d)  # rows past m * group stay zero
-    q1 = call.buffer
-    q1[:, :, :m * group] = rows[call.at, call.which].view(e, m, kv, group, d).transpose(1, 2).reshape(
-        e, kv, m * group, d)
-    o = scaled_dot_product_attention(q1, _keys(call, key), _keys(call, value), attn_mask=call.mask, scale=scale)
-    o = o[:, :, :m * group].view(e, kv, m, group, d).transpose(1, 2)
-    if call.src is None:
-        out[call.at, call.which] = o.reshape(e, m, heads, d)
+        call.buffer = query.new_zeros(e, kv, call.n, d)  # rows past m * group stay zero, for every layer
+    blocks = call.buffer[:, :, :m * group].view(e, kv, m, group, d)
+    if call.span is not None and call.run is not None:
+        (a, z), (lo, hi) = call.run, call.span
+        blocks.copy_(query[a:z, :, lo:hi].view(e, kv, group, m, d).transpose(2, 3))
     else:
-        out.view(-1, heads, d).index_copy_(0, call.dst, o.reshape(e * m, heads, d).index_select(0, call.src))
-
-
-def _attend_span(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
-                 ) -> torch.Tensor:
-    """``_attend`` for a call in place over batch entries a..z-1 whose rows are one slice lo..hi-1, given those
-    entries' ``query``, ``key`` and ``value``: the query blocks copied by slicing instead of indexing; returns the
-    rows' attention (z - a, hi - lo, heads, d)."""
-    (b, heads, _, d), kv = query.shape, key.shape[1]
-    (lo, hi), group = call.span, heads // kv
-    m = hi - lo
-    if call.buffer is None:
-        call.buffer = query.new_zeros(b, kv, call.n, d)  # rows past m * group stay zero
-    q1 = call.buffer
-    if m == 1:  # a plain step's row: its query heads are already (kv, group) blocks
-        q1[:, :, :group] = query[:, :, lo].view(b, kv, group, d)
-    else:
-        q1[:, :, :m * group].view(b, kv, m, group, d).copy_(query[:, :, lo:hi].view(b, kv, group, m, d).transpose(2, 3))
-    o = scaled_dot_product_attention(q1, key[:, :, :call.width], value[:, :, :call.width], attn_mask=call.mask,
+        blocks.copy_(query.transpose(1, 2)[call.at, call.which].view(e, m, kv, group, d).transpose(1, 2))
+    o = scaled_dot_product_attention(call.buffer, _keys(call, key), _keys(call, value), attn_mask=call.mask,
                                      scale=scale)
-    if m == 1:
-        return o[:, :, :group].reshape(b, 1, heads, d)
-    return o[:, :, :m * group].view(b, kv, m, group, d).transpose(1, 2).reshape(b, m, heads, d)
+    return o[:, :, :m * group].view(e, kv, m, group, d).transpose(1, 2).reshape(e, m, heads, d)
 
 
 # --- the start-up self-test ------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ as a fresh run's are, then
                 count theirs from the data, and tensors indexed by a vocabulary (an LM head's rows) are not copied
     tensors     every tensor whose part has the same name and shape in both is copied; the one decoder layer is
                 ``decoder.layers.0.`` in the eagle family and ``midlayer.`` in eagle3, its final norm
-                ``decoder.norm.`` and ``norm.``: named alike here. From eagle to eagle3 that is the layer's MLP,
-                its output projection and norms, and the final norm (eagle3's attention reads [token; feature],
-                twice eagle's width, and its ``fc`` fuses three layers, not two inputs)
+                ``decoder.norm.`` and ``norm.``: named alike here. From eagle to eagle3 that is the layer's output
+                projection and norms, the final norm, and the MLP where both are as wide (``--head-arg
+                intermediate_size``; eagle3's attention reads [token; feature], twice eagle's width, and its
+                ``fc`` fuses three layers, not two inputs)
 
 and the report (tensors loaded, tensors of another shape, tensors the source lacks) is printed once and kept in
 the run's ``train_config.json``. ``--init-from`` differs: it continues heads of the same family and shapes, strictly.
