@@ -28,7 +28,7 @@ from transformers.cache_utils import StaticLayer
 
 from .attention import static_attention
 from .errors import SelfspecError
-from .exact import BatchPlan, plan_pass, row_chunks
+from .exact import BatchPlan, plan_pass, row_chunks, width_for
 from .memory import attention_layout, kv_bytes_per_token
 from .static_pass import StaticPass, ancestor_block, bucket_for, static_mask
 from .tree import DraftTree
@@ -127,6 +127,31 @@ class BatchPass(StaticPass):
         """Rows not claimed."""
         return self.max_batch - len(self.claimed)
 
+    def arrange(self, slots: list[Slot]) -> None:
+        """Give ``slots`` (the requests of the next pass) rows 0..n-1, longest first, where their key widths are not
+        yet in runs: rows of one width are then adjacent and attend in one call over their cache rows in place
+        (else their K/V are gathered in every layer). Requests grow at the same pace, so the order mostly holds;
+        moving a row copies its committed entries once. Outputs do not depend on the rows."""
+        slots = sorted(slots, key=lambda slot: slot.row)
+        widths = [width_for(slot.length, self.max_len) for slot in slots]
+        runs = sum(1 for i, w in enumerate(widths) if not i or w != widths[i - 1])
+        if slots[-1].row == len(slots) - 1 and runs == len(set(widths)):
+            return
+        order = sorted(slots, key=lambda slot: (-slot.length, slot.row))
+        order += [slot for slot in self.claimed if slot not in order]
+        moved = [(slot.row, new) for new, slot in enumerate(order) if slot.row != new]
+        if not moved:
+            return
+        src = torch.tensor([old for old, _ in moved], device=self.device)
+        dst = torch.tensor([new for _, new in moved], device=self.device)
+        n = max(order[new].length for _, new in moved)
+        for layer in self.cache.layers:  # gather first, then write: rows may trade places
+            layer.keys[:, :, :n].index_copy_(0, dst, layer.keys[:, :, :n].index_select(0, src))
+            layer.values[:, :, :n].index_copy_(0, dst, layer.values[:, :, :n].index_select(0, src))
+        for new, slot in enumerate(order):
+            slot.row = new
+        self.claimed = order
+
     def _own(self, slot: Slot) -> Slot:
         if not (0 <= slot.row < len(self.claimed)) or self.claimed[slot.row] is not slot:
             raise SelfspecError("this request's row of the batch cache was released")
@@ -156,9 +181,11 @@ class BatchPass(StaticPass):
         """One pass over every request's root + tree (``items``, one per row, each row at most once): the
         target's logits (and the asked layers' states) per request, in the order of ``items``."""
         layers = state_layers(hidden_states)
-        by_row = {self._own(slot).row: (slot, tree) for slot, tree in items}
-        if len(by_row) != len(items):
+        if len({self._own(slot).row for slot, _ in items}) != len(items):
             raise SelfspecError("a batched pass verifies each request once")
+        if self.exact:
+            self.arrange([slot for slot, _ in items])
+        by_row = {slot.row: (slot, tree) for slot, tree in items}
         for slot, tree in items:
             if slot.length + tree.size > self.max_len:
                 raise SelfspecError(f"a request's row is full ({slot.length} of {self.max_len} slots)")

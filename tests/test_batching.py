@@ -122,6 +122,41 @@ def test_rows_are_aligned_in_a_batched_pass(exact: bool) -> None:
         target.verify(slots[0], trees[0], 8, False)
 
 
+def test_rows_of_one_key_width_are_made_adjacent_and_stay_aligned() -> None:
+    """The exact pass gives a pass's requests rows 0..n-1, longest first, when rows of one key width are not adjacent
+    (their attention then reads the cache in place): every request's entries move with it, including a claimed
+    row that is not in the pass (a request still joining), and each row's logits still equal its pass alone."""
+    model = tiny_model(5, vocab=VOCAB)
+    target = BatchPass(model, 5, 256, exact=True)
+    lengths = (41, 6, 71, 11, 100)  # key widths 64, 32, 96, 32 (not adjacent), then one left out of the first pass
+    prompts = [ids(20 + i, n) for i, n in enumerate(lengths)]
+    slots = []
+    for p in prompts:
+        slot = target.new_cache(len(p) + 8)
+        target.prefill(slot, torch.tensor(p[:-1]), False)
+        slots.append(slot)
+    trees = [chain(prompts[0][-1], [1, 2]), DraftTree(torch.tensor([prompts[1][-1], 4, 5]), [-1, 0, 0]),
+             chain(prompts[2][-1], []), chain(prompts[3][-1], [7]), chain(prompts[4][-1], [3])]
+
+    def alone(i):
+        own = BatchPass(model, 1, 256, exact=True)
+        slot = own.new_cache(len(prompts[i]) + 8)
+        own.prefill(slot, torch.tensor(prompts[i][:-1]), False)
+        return own.verify(slot, trees[i], slot.length, False).logits
+
+    refs = [alone(i) for i in range(5)]
+    vers = target.verify_batch(list(zip(slots[:4], trees[:4])), False)
+    assert [s.row for s in slots] == [1, 3, 0, 2, 4]  # longest first; the one left out after them
+    assert [target.claimed[r] for r in range(5)] == [slots[2], slots[0], slots[3], slots[1], slots[4]]
+    assert all(torch.equal(v.logits, r) for v, r in zip(vers, refs))
+    vers = target.verify_batch([(slots[4], trees[4]), (slots[1], trees[1])], False)  # rows 4 and 3 -> 0 and 1
+    assert [slots[4].row, slots[1].row] == [0, 1]
+    assert torch.equal(vers[0].logits, refs[4]) and torch.equal(vers[1].logits, refs[1])
+    target.release(slots[2])
+    vers = target.verify_batch(list(zip(slots[:2], trees[:2])) + [(slots[3], trees[3])], False)
+    assert all(torch.equal(v.logits, refs[i]) for v, i in zip(vers, (0, 1, 3)))
+
+
 def test_eos_inside_an_accepted_draft_ends_that_row_only() -> None:
     model = tiny_model(7, vocab=VOCAB)
     d = DraftModelDrafter(model)  # the target drafting for itself: every draft is accepted
