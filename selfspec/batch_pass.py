@@ -23,14 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache
-from transformers.cache_utils import StaticLayer
 
 from .attention import static_attention
 from .errors import SelfspecError
 from .exact import BatchPlan, plan_pass, row_chunks, width_for
-from .memory import attention_layout, kv_bytes_per_token
-from .static_pass import StaticPass, ancestor_block, bucket_for, static_mask
+from .kv_cache import RowCache
+from .memory import kv_bytes_per_token
+from .static_pass import BUCKETS, StaticPass, ancestor_block, bucket_for, static_mask
 from .tree import DraftTree
 from .verify import Verification, state_layers
 
@@ -48,30 +47,8 @@ class Slot:
     length: int = 0
 
 
-class RowCache(Cache):
-    """A static cache whose rows are written at per-row slots: before each forward the pass sets ``rows`` (the
-    batch entries of the forward, a slice of the cache's rows) and ``write`` ((entries, tokens) slot per token)."""
-
-    def __init__(self, config, rows: int, slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        n_layers, _, kv, dim = attention_layout(config)
-        layers = [StaticLayer(slots) for _ in range(n_layers)]
-        probe = torch.zeros(rows, kv, 1, dim, dtype=dtype, device=device)
-        for layer in layers:
-            layer.lazy_initialization(probe, probe)  # (rows, kv, slots, dim) each, zeros
-        super().__init__(layers=layers)
-        self.rows, self.write = slice(0, rows), None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.layers[layer_idx]
-        keys, values = layer.keys[self.rows], layer.values[self.rows]  # views: written in place
-        entry = torch.arange(keys.shape[0], device=keys.device)[:, None]
-        keys[entry, :, self.write] = key_states.transpose(1, 2)  # (entries, tokens, kv_heads, dim) at their slots
-        values[entry, :, self.write] = value_states.transpose(1, 2)  # (index_put: 10-40x faster than scatter_ here)
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always given; lengths are per row (``Slot.length``)
+ROW_BUCKETS = (2, *(b for b in BUCKETS if b > 2))  # nodes a row's tree is padded to: no graphs to build here, so
+# a 2-node bucket too (a batch's one-token drafts: 4 rows x 2 cost about what 4 x 1 do, 4 x 4 a good deal more)
 
 
 class BatchPass(StaticPass):
@@ -82,7 +59,7 @@ class BatchPass(StaticPass):
                  memory_bytes: int | None = None) -> None:
         if max_batch < 1:
             raise SelfspecError(f"a batch holds at least one request, got {max_batch}")
-        super().__init__(model, compile=False, exact=exact, pack=pack)
+        super().__init__(model, compile=False, buckets=ROW_BUCKETS, exact=exact, pack=pack)
         self.name = "batched"
         self.max_batch, self.context = max_batch, context
         self.max_len = context + self.buckets[-1]  # slots per row: a pass pads past a request's last position

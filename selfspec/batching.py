@@ -172,10 +172,18 @@ class BatchEngine:
 
     def _draft(self, rows: list[Request]) -> list:
         """Every row's tree: alone, as its own policy says; in a batch, at the budget's depth (a request with
-        ``adaptive=False`` always drafts its full depth)."""
+        ``adaptive=False`` always drafts its full depth). A drafter that drafts many sequences at once
+        (``propose_chains``: heads) gives every row a chain, one head pass per depth for the whole batch."""
         if len(rows) == 1:
             return [rows[0].draft()]
-        depth = self.budget.depth(rows, self.target.pass_shape)
+        chains = hasattr(self.drafter, "propose_chains") and all(row.cfg.adaptive for row in rows)
+        depth = self.budget.depth(rows, self.target.pass_shape, chains)
+        if chains and depth:
+            t0 = time.perf_counter()
+            trees = self.drafter.propose_chains([row.dstate for row in rows], [row.ctx for row in rows],
+                                                [min(depth, row.max_depth) for row in rows])
+            share = (time.perf_counter() - t0) / len(rows)
+            return [row.drafted(tree, share) for row, tree in zip(rows, trees)]
         cost = self.budget.node_cost(len(rows), self.target.pass_shape)
         return [row.draft(depth if row.cfg.adaptive else row.max_depth, cost) for row in rows]
 

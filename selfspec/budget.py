@@ -81,9 +81,10 @@ class Budget:
         """The node bucket a tree of ``nodes`` nodes runs at."""
         return next((b for b in (1, *self.buckets) if b >= nodes), self.buckets[-1])
 
-    def depth(self, rows: list, shape=lambda rows, nodes: (rows, nodes)) -> int:
+    def depth(self, rows: list, shape=lambda rows, nodes: (rows, nodes), chains: bool = False) -> int:
         """The draft depth with the best expected goodput for ``rows`` (``Request``s); 0: a plain batched step.
-        ``shape(rows, nodes)``: the (rows, nodes) a pass over that many rows, trees of ``nodes``, really runs."""
+        ``shape(rows, nodes)``: the (rows, nodes) a pass over that many rows, trees of ``nodes``, really runs;
+        ``chains``: every row drafts a chain (k + 1 nodes at depth k), not a tree of its own record's size."""
         n = len(rows)
         plain = self.cost.seconds(*shape(n, 1))
         deepest = max(row.max_depth for row in rows)
@@ -94,7 +95,7 @@ class Budget:
         best_k, best = 0, n / plain
         for k in range(1, deepest + 1):
             depths = [min(k, row.max_depth) for row in rows]
-            nodes = max(c.expected_nodes(d) for c, d in zip(ctrls, depths))
+            nodes = max(d + 1 if chains else c.expected_nodes(d) for c, d in zip(ctrls, depths))
             seconds = self.cost.seconds(*shape(n, self.bucket(nodes)))
             drafting = sum((c.draft_per_depth or 0.0) * d for c, d in zip(ctrls, depths))
             rate = sum(g[d] for g, d in zip(gains, depths)) / (seconds + drafting)

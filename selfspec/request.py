@@ -205,6 +205,16 @@ class Request:
         self._draft_s = time.perf_counter() - t0
         return tree
 
+    def drafted(self, tree: DraftTree, seconds: float) -> DraftTree:
+        """``tree`` was drafted for this request together with other requests' (``seconds``: its share of the
+        time); checked against its limits as its own drafts are."""
+        root = int(self.ctx.tokens[-1])
+        if tree.max_depth > self.max_depth or tree.size > self.cfg.max_nodes or int(tree.tokens[0]) != root:
+            raise SelfspecError(f"drafter '{self.drafter.name}' broke a request's limits (depth {tree.max_depth} > "
+                                f"{self.max_depth}, or {tree.size} nodes > {self.cfg.max_nodes}, or a wrong root)")
+        self._draft_s = seconds
+        return tree
+
     def advance(self, target, tree: DraftTree, ver: Verification, verify_s: float) -> list[int]:
         """Accept from the pass's verdict ``ver`` on ``tree``, commit, apply EOS / max tokens / stop strings and
         record the step (the pass took ``verify_s``). Returns the tokens committed; ``finished`` says if it ended."""

@@ -43,7 +43,8 @@ def make(drafter: str, model: torch.nn.Module, seed: int):
         return PromptLookupDrafter()
     if drafter == "draft-model":  # chains
         return DraftModelDrafter(tiny_model(seed + 50, vocab=VOCAB))
-    hyper = {"eagle": {"top_k": 4, "draft_vocab_size": VOCAB}, "medusa": {}}[drafter]  # trees, heads
+    hyper = {"eagle": {"top_k": 4, "draft_vocab_size": VOCAB}, "eagle3": {"top_k": 4, "draft_vocab_size": 32},
+             "medusa": {}}[drafter]  # trees, heads
     return make_drafter(perturb(init_heads(drafter, model, **hyper), seed, 0.3), model)
 
 
@@ -84,6 +85,31 @@ def test_every_row_equals_its_request_decoded_alone(arch: str, drafter: str) -> 
     assert [got[id(h)] for h in handles] == alone
     assert sizes >= {1, 2, 3}  # rows joined and left mid-way
     assert batch.target.free == 3 and not batch.target.claimed
+
+
+@pytest.mark.parametrize("arch,drafter", [("llama", "eagle"), ("qwen2", "eagle"), ("llama", "eagle3")])
+def test_heads_draft_every_rows_chain_at_once_and_rows_still_equal_their_request_alone(arch: str, drafter: str,
+                                                                                      monkeypatch) -> None:
+    """In a batch, heads draft a chain for every row together (``propose_chains``, one head pass per depth),
+    each row as deep as it may go (rows near their token limit less deep); outputs equal each request alone."""
+    model = tiny_model(4, vocab=VOCAB, arch=arch)
+    d = make(drafter, model, 4)
+    cfgs = [DecodeConfig(max_new_tokens=n, max_depth=5, max_nodes=32) for n in (30, 3, 45, 20, 12)]
+    prompts = [ids(40 + i, n) for i, n in enumerate((3, 40, 1, 70, 12))]
+    batch = BatchEngine(model, d, max_batch=3, context=512)
+    monkeypatch.setattr(batch.budget, "depth", lambda rows, shape, chains=False: 3)  # drafting always pays
+    drafts = []
+    chains = type(d).propose_chains
+    monkeypatch.setattr(type(d), "propose_chains",
+                        lambda self, states, ctxs, depths: drafts.append(depths) or chains(self, states, ctxs, depths))
+    handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
+    got = {id(h): [] for h in handles}
+    while batch.busy:
+        for req, new in batch.step():
+            got[id(req)] += new
+    assert [got[id(h)] for h in handles] == [solo(model, d, p, c) for p, c in zip(prompts, cfgs)]
+    assert len(drafts) > 5 and all(len(depths) >= 2 for depths in drafts)
+    assert any(3 in depths for depths in drafts) and any(0 < min(depths) < 3 for depths in drafts)
 
 
 @pytest.mark.parametrize("exact", [True, False])

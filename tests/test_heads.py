@@ -116,6 +116,42 @@ def test_eagle_tree_equals_uncached_recomputation(seed: int) -> None:
             assert set(kids) <= set(top[0]) and top[0][0] in kids
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eagle_chains_for_many_sequences_equal_each_sequence_recomputed_alone(arch: str) -> None:
+    """``propose_chains`` (a batch's draft: one head pass for every sequence's queued pairs, then one per depth)
+    gives each sequence the greedy chain that recomputing its own pairs from scratch gives; the committed pairs are
+    appended to each sequence's own cache, the drafted ones are not; a sequence asked for no draft is untouched."""
+    model = tiny_model(5, layers=2, arch=arch)
+    heads = perturb(init_heads("eagle", model, top_k=3, draft_vocab_size=40), 5)
+    drafter = make_drafter(heads, model)
+    prompts = [prompt_for(s, n) for s, n in ((1, 9), (2, 17), (3, 5), (4, 12))]
+    queued, depths = (3, 0, 1, 5), [4, 3, 0, 2]
+    states, ctxs = [], []
+    for prompt, k in zip(prompts, queued):  # started k tokens short, then told of the last k: k queued pairs
+        state, hs = prefill(model, torch.tensor(prompt), hidden_states=True)
+        n = state.cache_len
+        dstate = drafter.start(DraftContext(state.tokens[:len(prompt) - k], n - k, (hs[-1][:n - k],)))
+        ctx = DraftContext(state.tokens, n, (hs[-1][n - k:],))
+        states.append(drafter.observe(dstate, ctx))
+        ctxs.append((ctx, hs[-1]))
+    trees = drafter.propose_chains(states, [c for c, _ in ctxs], depths)
+    for prompt, (ctx, real), tree, dstate, depth, k in zip(prompts, ctxs, trees, states, depths, queued):
+        assert int(tree.tokens[0]) == prompt[-1] and tree.parents == list(range(-1, depth))
+        if depth == 0:  # untouched: its queued pairs wait for the next draft
+            assert tree.size == 1 and dstate.cached == len(prompt) - 1 - k and dstate.pending.shape[0] == k
+            continue
+        assert dstate.cached == dstate.cache.get_seq_length() == ctx.cache_len and dstate.pending is None
+        feats, toks, chain_ = real, prompt[1:], []
+        with torch.no_grad():
+            for _ in range(depth):  # the head over the whole sequence, no cache, fed its own features
+                embeds = model.get_input_embeddings()(torch.tensor(toks))
+                pred = heads(feats[None], embeds[None], torch.arange(len(toks))[None])[0, -1]
+                top, _ = drafter._top(dstate, pred[None], 1)
+                chain_.append(top[0][0])
+                feats, toks = torch.cat([feats, pred[None]]), toks + [top[0][0]]
+        assert tree.tokens[1:].tolist() == chain_
+
+
 def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:
     """A reduced draft vocabulary (here ids 0..7) is widened per sequence by its prompt and committed tokens."""
     model = tiny_model(1, layers=2)

@@ -26,7 +26,7 @@ from torch import nn
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..drafters.dynamic_tree import Candidates, grow_tree, select_tree
 from ..errors import SelfspecError
-from ..kv_cache import truncate
+from ..kv_cache import RowCache, truncate
 from ..memory import kv_bytes_per_token, model_dtype
 from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_numel
 from ..tree import DraftTree, additive_mask, chain
@@ -118,12 +118,19 @@ class EagleDrafter(Drafter):
         state.context_bias = None if bias is None else _append(state.context_bias, bias)
         state.draft_ids = torch.cat([self.d2t, torch.tensor(state.context_ids, dtype=self.d2t.dtype)])
 
+    def _logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """(n, H) features -> (n, draft_vocab) logits (the LM head's rows for the draft vocabulary)."""
+        return linear(feats, self.lm_weight, self.lm_bias) if self.reduced else lm_head(self.target)(feats)
+
+    def _with_context(self, state: EagleState, feats: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the sequence's context tokens outside the draft vocabulary appended."""
+        if not state.context_ids:
+            return logits
+        return torch.cat([logits, nn.functional.linear(feats, state.context_weight, state.context_bias)], -1)
+
     def _log_probs(self, state: EagleState, feats: torch.Tensor) -> torch.Tensor:
         """(n, H) features -> (n, draft_vocab + context tokens) log-probabilities."""
-        logits = linear(feats, self.lm_weight, self.lm_bias) if self.reduced else lm_head(self.target)(feats)
-        if state.context_ids:
-            logits = torch.cat([logits, nn.functional.linear(feats, state.context_weight, state.context_bias)], -1)
-        return logits.float().log_softmax(-1)
+        return self._with_context(state, feats, self._logits(feats)).float().log_softmax(-1)
 
     def _run(self, feats: torch.Tensor, tokens: list[int], positions: list[int], cache: object,
              mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,13 +177,101 @@ class EagleDrafter(Drafter):
         truncate(state.cache, state.cached)  # drop the drafted pairs: only committed ones stay
         return select_tree(cand, root, budget, req.node_cost), state
 
+    @torch.no_grad()
+    def propose_chains(self, states: list[EagleState], ctxs: list[DraftContext], depths: list[int]
+                       ) -> list[DraftTree]:
+        """Greedy chains of ``depths[i]`` tokens for several sequences at once (a batch's step): one head pass feeds
+        every sequence's queued pairs, then each depth is one head pass over all of them, each sequence attending
+        over its own pairs (copied, with room for the new ones, into one padded cache for this draft; the new
+        committed pairs are appended to each sequence's own cache, the drafted ones are not)."""
+        live = [i for i, state in enumerate(states)
+                if depths[i] > 0 and (state.root_feature is not None or state.pending is not None)]
+        drafts: list[list[int]] = [[] for _ in states]
+        if live:
+            rows, depth = [states[i] for i in live], max(depths[i] for i in live)
+            queued = [0 if state.pending is None else state.pending.shape[0] for state in rows]
+            cache = self._padded_cache(rows, max(queued) + depth)
+            self._catch_up_rows(rows, [ctxs[i] for i in live], queued, cache)
+            feats = torch.stack([state.root_feature for state in rows])
+            for d in range(depth):
+                tokens = self._greedy(rows, feats)
+                for i, token in zip(live, tokens):
+                    drafts[i].append(token)
+                if d < depth - 1:
+                    at = torch.tensor([state.cached + d for state in rows], device=feats.device)[:, None]
+                    feats = self._run_rows(feats[:, None], torch.tensor(tokens)[:, None], at, cache)[:, 0]
+        trees = [chain(int(ctx.tokens[-1]), draft[:n]) for ctx, draft, n in zip(ctxs, drafts, depths)]
+        for tree in trees:
+            tree.source = self.name
+        return trees
+
+    def _padded_cache(self, rows: list[EagleState], room: int) -> RowCache:
+        """The rows' head caches side by side, each with ``room`` free slots after its own pairs."""
+        cache = RowCache(self._layer_config(), len(rows), max(s.cached for s in rows) + room, self.dtype,
+                         self.embed.weight.device)
+        for j, state in enumerate(rows):
+            for layer, own in zip(cache.layers, state.cache.layers if state.cached else ()):
+                layer.keys[j, :, :state.cached] = own.keys[0, :, :state.cached]
+                layer.values[j, :, :state.cached] = own.values[0, :, :state.cached]
+        return cache
+
+    def _catch_up_rows(self, rows: list[EagleState], ctxs: list[DraftContext], queued: list[int], cache: RowCache
+                       ) -> None:
+        """``_catch_up`` for many sequences in one head pass over ``cache`` (rows padded to the most queued pairs;
+        a padding query writes past its row's pairs, where the chain overwrites it before anyone sees it)."""
+        for state, n in zip(rows, queued):
+            state.pending = state.pending if n else None  # an empty queue (nothing committed since) is none
+        m = max(queued)
+        if m == 0:
+            return
+        some = rows[queued.index(m)].pending
+        feats = some.new_zeros(len(rows), m, *some.shape[1:])
+        tokens = torch.zeros(len(rows), m, dtype=torch.long)
+        for j, (state, ctx, n) in enumerate(zip(rows, ctxs, queued)):
+            if n:
+                feats[j, :n] = state.pending
+                tokens[j, :n] = ctx.tokens[state.cached + 1:state.cached + n + 1]
+                self._add_context(state, tokens[j, :n].tolist())
+        at = torch.tensor([[state.cached + i for i in range(m)] for state in rows], device=feats.device)
+        out = self._run_rows(self._fuse(feats.to(self.dtype)), tokens, at, cache)
+        for j, (state, n) in enumerate(zip(rows, queued)):
+            if n:
+                for index, layer in enumerate(cache.layers):
+                    state.cache.update(layer.keys[j:j + 1, :, state.cached:state.cached + n],
+                                       layer.values[j:j + 1, :, state.cached:state.cached + n], index)
+                state.cached, state.pending, state.root_feature = state.cached + n, None, out[j, n - 1]
+
+    def _greedy(self, rows: list[EagleState], feats: torch.Tensor) -> list[int]:
+        """Each row's likeliest next token (target ids) from its (H,) feature: the draft vocabulary in one call."""
+        logits = self._logits(feats)
+        out = []
+        for j, state in enumerate(rows):
+            ids = self.d2t if state.draft_ids is None else state.draft_ids
+            out.append(int(ids[int(self._with_context(state, feats[j], logits[j]).argmax())]))
+        return out
+
+    def _run_rows(self, feats: torch.Tensor, tokens: torch.Tensor, at: torch.Tensor, cache: RowCache
+                  ) -> torch.Tensor:
+        """One head pass over ``cache``: row j's pairs (features (rows, m, F), tokens (rows, m)) at positions and
+        slots ``at`` (rows, m), each seeing its row's slots up to its own -> (rows, m, H) predicted features."""
+        slots = cache.layers[0].keys.shape[2]
+        seen = torch.arange(slots, device=at.device)[None, None] <= at[:, :, None]
+        mask = torch.where(seen, 0.0, torch.finfo(feats.dtype).min).to(feats.dtype)[:, None]
+        cache.write = at
+        embeds = self.embed(tokens.to(self.embed.weight.device)).to(device=feats.device, dtype=feats.dtype)
+        return self.head(feats, embeds, at, cache, mask)
+
     def extra_parameters(self) -> int:
         """The head's trained parameters plus the gathered LM-head rows of a reduced draft vocabulary (a copy)."""
         return weight_numel(self.head) + (self.lm_weight.numel() if self.reduced else 0)
 
+    def _layer_config(self):
+        """The config of the head's one decoder layer (its KV cache's shape)."""
+        return self.head.decoder.config
+
     def kv_bytes_per_token(self) -> int:
         """The head's one-layer KV cache."""
-        return kv_bytes_per_token(self.head.decoder.config, self.dtype)
+        return kv_bytes_per_token(self._layer_config(), self.dtype)
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -207,13 +302,13 @@ class Eagle3Drafter(EagleDrafter):
     def _fuse(self, feats: torch.Tensor) -> torch.Tensor:
         return self.head.fuse(feats)
 
-    def _log_probs(self, state: EagleState, feats: torch.Tensor) -> torch.Tensor:
-        return self.head.logits(feats).float().log_softmax(-1)
+    def _logits(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(feats)
 
     def extra_parameters(self) -> int:
         """The head's trained parameters (its LM head included)."""
         return weight_numel(self.head)
 
-    def kv_bytes_per_token(self) -> int:
-        """The midlayer's KV cache."""
-        return kv_bytes_per_token(self.head.layer_config, self.dtype)
+    def _layer_config(self):
+        """The midlayer's config."""
+        return self.head.layer_config
