@@ -173,10 +173,11 @@ class BatchEngine:
     def _draft(self, rows: list[Request]) -> list:
         """Every row's tree: alone, as its own policy says; in a batch, at the budget's depth (a request with
         ``adaptive=False`` always drafts its full depth). A drafter that drafts many sequences at once
-        (``propose_chains``: heads) gives every row a chain, one head pass per depth for the whole batch."""
+        (``drafts_batches``: heads, behind prompt lookup or not) gives every row a chain, one head pass per depth
+        for the whole batch."""
         if len(rows) == 1:
             return [rows[0].draft()]
-        chains = hasattr(self.drafter, "propose_chains") and all(row.cfg.adaptive for row in rows)
+        chains = self.drafter is not None and self.drafter.drafts_batches and all(row.cfg.adaptive for row in rows)
         depth = self.budget.depth(rows, self.target.pass_shape, chains)
         if chains and depth:
             t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from selfspec.batch_pass import BatchPass
 from selfspec.batching import BatchEngine
 from selfspec.budget import Budget, PassCost
 from selfspec.drafters.draft_model import DraftModelDrafter
+from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
@@ -41,6 +42,8 @@ def make(drafter: str, model: torch.nn.Module, seed: int):
         return None
     if drafter == "lookup":
         return PromptLookupDrafter()
+    if drafter == "eagle+lookup":
+        return LookupFirstDrafter(make("eagle", model, seed))
     if drafter == "draft-model":  # chains
         return DraftModelDrafter(tiny_model(seed + 50, vocab=VOCAB))
     hyper = {"eagle": {"top_k": 4, "draft_vocab_size": VOCAB}, "eagle3": {"top_k": 4, "draft_vocab_size": 32},
@@ -87,29 +90,41 @@ def test_every_row_equals_its_request_decoded_alone(arch: str, drafter: str) -> 
     assert batch.target.free == 3 and not batch.target.claimed
 
 
-@pytest.mark.parametrize("arch,drafter", [("llama", "eagle"), ("qwen2", "eagle"), ("llama", "eagle3")])
+@pytest.mark.parametrize("arch,drafter", [("llama", "eagle"), ("qwen2", "eagle"), ("llama", "eagle3"),
+                                          ("qwen2", "eagle+lookup")])
 def test_heads_draft_every_rows_chain_at_once_and_rows_still_equal_their_request_alone(arch: str, drafter: str,
                                                                                       monkeypatch) -> None:
     """In a batch, heads draft a chain for every row together (``propose_chains``, one head pass per depth),
-    each row as deep as it may go (rows near their token limit less deep); outputs equal each request alone."""
+    each row as deep as it may go (rows near their token limit less deep), behind prompt lookup where the context
+    repeats; outputs equal each request alone."""
     model = tiny_model(4, vocab=VOCAB, arch=arch)
     d = make(drafter, model, 4)
     cfgs = [DecodeConfig(max_new_tokens=n, max_depth=5, max_nodes=32) for n in (30, 3, 45, 20, 12)]
     prompts = [ids(40 + i, n) for i, n in enumerate((3, 40, 1, 70, 12))]
+    prompts[3] = (prompts[3][:7] * 10)[:70]  # repeats itself: lookup finds chains
     batch = BatchEngine(model, d, max_batch=3, context=512)
     monkeypatch.setattr(batch.budget, "depth", lambda rows, shape, chains=False: 3)  # drafting always pays
     drafts = []
+
+    def recorded(self, states, ctxs, depths):
+        trees = chains(self, states, ctxs, depths)
+        drafts.append([(depth, tree.max_depth, tree.source) for depth, tree in zip(depths, trees)])
+        return trees
     chains = type(d).propose_chains
-    monkeypatch.setattr(type(d), "propose_chains",
-                        lambda self, states, ctxs, depths: drafts.append(depths) or chains(self, states, ctxs, depths))
+    monkeypatch.setattr(type(d), "propose_chains", recorded)
     handles = [batch.add(p, c) for p, c in zip(prompts, cfgs)]
     got = {id(h): [] for h in handles}
     while batch.busy:
         for req, new in batch.step():
             got[id(req)] += new
     assert [got[id(h)] for h in handles] == [solo(model, d, p, c) for p, c in zip(prompts, cfgs)]
-    assert len(drafts) > 5 and all(len(depths) >= 2 for depths in drafts)
-    assert any(3 in depths for depths in drafts) and any(0 < min(depths) < 3 for depths in drafts)
+    rows = [row for step in drafts for row in step]
+    assert len(drafts) > 5 and all(len(step) >= 2 for step in drafts)
+    assert {depth for depth, _, _ in rows} >= {1, 2, 3} and all(got <= asked for asked, got, _ in rows)
+    assert sum(got < asked for asked, got, _ in rows) <= 1  # the one-token prompt's first step: no pair fed yet
+    sources = {source for _, _, source in rows}
+    assert sources == ({"eagle3"} if drafter == "eagle3" else {"eagle", "prompt-lookup"} if "lookup" in drafter
+                       else {"eagle"})
 
 
 @pytest.mark.parametrize("exact", [True, False])

@@ -66,6 +66,7 @@ class Drafter:
     # which of them, as indices into transformers' ``hidden_states`` (0 the embeddings, k the output of layer k,
     # -1 the final normed layer); the engine keeps only these, in this order
     state_layers: tuple[int, ...] = (-1,)
+    drafts_batches: bool = False  # ``propose_chains`` drafts many sequences' chains at once (a batch's step)
 
     def start(self, ctx: DraftContext) -> Any:
         """Fresh per-request state, after the target has prefilled ``ctx.tokens[:-1]``."""
@@ -73,6 +74,10 @@ class Drafter:
 
     def propose(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
         """A tree rooted at ``ctx.tokens[-1]`` within ``req``'s limits (a root-only tree means no draft)."""
+        raise NotImplementedError
+
+    def propose_chains(self, states: list, ctxs: list[DraftContext], depths: list[int]) -> list[DraftTree]:
+        """Greedy chains of ``depths[i]`` tokens for several sequences at once (where ``drafts_batches``)."""
         raise NotImplementedError
 
     def draft(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from ..sampling import SamplingConfig
 from ..tree import DraftTree
 from .base import DraftContext, DraftRequest, Drafter
 from .prompt_lookup import PromptLookupDrafter
@@ -43,6 +44,7 @@ class LookupFirstDrafter(Drafter):
         self.min_depth = min_depth
         self.name = f"{inner.name}+lookup"
         self.needs_hidden_states, self.state_layers = inner.needs_hidden_states, inner.state_layers
+        self.drafts_batches = inner.drafts_batches
 
     def start(self, ctx: DraftContext) -> Any:
         """The wrapped drafter's state (lookup keeps none)."""
@@ -61,6 +63,17 @@ class LookupFirstDrafter(Drafter):
         if tree is not None:
             return tree, state
         return self.inner.draft(state, ctx, req)
+
+    def propose_chains(self, states: list, ctxs: list[DraftContext], depths: list[int]) -> list[DraftTree]:
+        """A batch's chains: each sequence's lookup chain where its context repeats deeply enough, the wrapped
+        drafter's chains for all the others at once (``drafts_batches``)."""
+        looked = [self.lookup.propose(None, ctx, DraftRequest(depth, depth + 1, SamplingConfig()))[0]
+                  for ctx, depth in zip(ctxs, depths)]
+        found = [depth > 0 and tree.max_depth >= min(self.min_depth, depth) for tree, depth in zip(looked, depths)]
+        inner = self.inner.propose_chains(states, ctxs, [0 if hit else depth for hit, depth in zip(found, depths)])
+        for tree in (tree for tree, hit in zip(looked, found) if hit):
+            tree.source = self.lookup.name
+        return [tree if hit else other for tree, hit, other in zip(looked, found, inner)]
 
     def _matched(self, lookup: PromptLookupDrafter, ctx: DraftContext, req: DraftRequest) -> DraftTree | None:
         """``lookup``'s tree when it matches deeply enough and the policy lets it draft (asked only then)."""

@@ -57,6 +57,7 @@ class EagleDrafter(Drafter):
 
     name = "eagle"
     needs_hidden_states = True
+    drafts_batches = True
 
     def __init__(self, target: nn.Module, head: EagleHead, top_k: int | None = None) -> None:
         self.target = target
