@@ -17,6 +17,9 @@ How deep requests draft: a batch of one drafts as ``SpeculativeEngine`` does (it
 one is exactly the single-request engine); from two requests on, the ``Budget`` picks one depth for the step
 from the measured cost of passes of this many rows (``selfspec/budget.py``), down to 0 (plain batched decoding)
 when drafting cannot pay; a request with ``adaptive=False`` (``--fixed-tree``) drafts its full depth regardless.
+Heads (behind prompt lookup or not) then draft every row's chain together: one head pass per depth for the
+whole batch (``propose_chains``), instead of a head pass per request per depth, which at 4 rows cost more than
+the tokens it won.
 Outputs do not depend on the depth: each request's tokens are those it gets alone.
 """
 
