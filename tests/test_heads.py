@@ -127,7 +127,7 @@ def test_eagle_chains_for_many_sequences_equal_each_sequence_recomputed_alone(ar
     prompts = [prompt_for(s, n) for s, n in ((1, 9), (2, 17), (3, 5), (4, 12))]
     queued, depths = (3, 0, 1, 5), [4, 3, 0, 2]
     states, ctxs = [], []
-    for prompt, k in zip(prompts, queued):  # started k tokens short, then told of the last k: k queued pairs
+    for prompt, k in zip(prompts, queued):  # started k tokens short, then told of the last k
         state, hs = prefill(model, torch.tensor(prompt), hidden_states=True)
         n = state.cache_len
         dstate = drafter.start(DraftContext(state.tokens[:len(prompt) - k], n - k, (hs[-1][:n - k],)))
@@ -137,8 +137,8 @@ def test_eagle_chains_for_many_sequences_equal_each_sequence_recomputed_alone(ar
     trees = drafter.propose_chains(states, [c for c, _ in ctxs], depths)
     for prompt, (ctx, real), tree, dstate, depth, k in zip(prompts, ctxs, trees, states, depths, queued):
         assert int(tree.tokens[0]) == prompt[-1] and tree.parents == list(range(-1, depth))
-        if depth == 0:  # untouched: its queued pairs wait for the next draft
-            assert tree.size == 1 and dstate.cached == len(prompt) - 1 - k and dstate.pending.shape[0] == k
+        if depth == 0:  # untouched: its queued pairs (the prompt's included: start only queues) wait for a draft
+            assert tree.size == 1 and dstate.cached == 0 and dstate.pending.shape[0] == ctx.cache_len
             continue
         assert dstate.cached == dstate.cache.get_seq_length() == ctx.cache_len and dstate.pending is None
         feats, toks, chain_ = real, prompt[1:], []

@@ -2,9 +2,11 @@
 
 Cache: the target caches positions 0 .. R-1 (R = root position) and reports their final hidden
 states, so pairs (f_t, x_{t+1}) exist for t = 0 .. R-1. The head's cache holds the pairs fed so far;
-``start`` feeds the prompt's pairs (the drafter's prefill), ``observe`` queues the newly committed
-ones and ``propose`` feeds them in one causal pass. The last output is f^_R, the predicted feature
-at the root, from which drafting starts.
+``start`` queues the prompt's pairs, ``observe`` the newly committed ones, and ``propose`` feeds
+whatever is queued in one causal pass (the first one is the drafter's prefill; a request that never
+drafts, in a batch too loaded for drafting to pay, never pays for it). The last output is f^_R, the
+predicted feature at the root, from which drafting starts. ``propose_chains`` does the same for many
+sequences at once, then drafts each a greedy chain, one head pass per depth for all of them.
 
 Tree (EAGLE-2, ``selfspec/drafters/dynamic_tree.py``): a drafted node at depth d is pair R + d - 1, its
 input its parent's output feature and its own token; the best ``max_nodes - 1`` nodes form the draft, and
@@ -80,10 +82,10 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> EagleState:
-        """Feed the prompt's pairs through the head (its prefill)."""
+        """Queue the prompt's pairs: the head feeds them at its first draft (its prefill), so a request in a batch
+        too loaded to draft never pays for it."""
         state = self.observe(EagleState(self.head.new_cache()), ctx)
         self._add_context(state, ctx.tokens.tolist())
-        self._catch_up(state, ctx)
         return state
 
     def observe(self, state: EagleState, ctx: DraftContext) -> EagleState:
