@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=positive_int, default=6, help="questions per source")
     p.add_argument("--max-new-tokens", type=positive_int, default=96)
     p.add_argument("--max-nodes", type=positive_int, default=16)
-    p.add_argument("--out", default="runs/exact-cost", help="folder for exact-cost.json (default: runs/, not committed)")
+    p.add_argument("--out", default="runs/exact-cost",
+                   help="folder for exact-cost.json (default under runs/, which is not committed)")
 
 
 def exact_cost(args: argparse.Namespace) -> dict:
