@@ -158,8 +158,11 @@ def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:
     drafter = make_drafter(init_heads("eagle", model, top_k=3, draft_vocab_size=8), model)
     prompt = [20, 3, 30, 40, 30, 5]
     state, hs = prefill(model, torch.tensor(prompt), hidden_states=True)
-    dstate = drafter.start(DraftContext(state.tokens, state.cache_len, hs))
-    assert dstate.context_ids == [20, 30, 40]
+    first = DraftContext(state.tokens, state.cache_len, hs)
+    dstate = drafter.start(first)
+    assert dstate.context_ids == []  # start only queues: rows are gathered when the head first feeds the prompt
+    drafter.propose(dstate, first, DraftRequest(2, 4, SamplingConfig()))
+    assert dstate.context_ids == [20, 30, 40] and set(drafter.row_cache) == {20, 30, 40}
     lm_rows = model.get_output_embeddings().weight
     for token in (40, 3):  # a feature along a token's LM-head row makes it the head's first choice
         top, logp = drafter._top(dstate, 50 * lm_rows[token][None], 3)
@@ -169,6 +172,25 @@ def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:
     ctx = DraftContext(longer.tokens, longer.cache_len, tuple(h[state.cache_len:] for h in more))
     drafter.propose(drafter.observe(dstate, ctx), ctx, DraftRequest(3, 8, SamplingConfig()))
     assert dstate.context_ids == [20, 30, 40, 50, 60]
+    assert torch.equal(dstate.context_weight, lm_rows[[20, 30, 40, 50, 60]])
+
+
+def test_context_rows_are_cached_across_sequences_and_bounded(monkeypatch) -> None:
+    """The LM-head rows of context tokens are kept (most recently used first out of the cap) for later sequences,
+    and are the head's rows whether fetched or cached."""
+    import selfspec.heads.eagle_drafter as eagle_drafter
+    model = tiny_model(1, layers=2)
+    drafter = make_drafter(init_heads("eagle", model, top_k=3, draft_vocab_size=8), model)
+    lm_rows = model.get_output_embeddings().weight
+    monkeypatch.setattr(eagle_drafter, "CONTEXT_ROWS_CACHED", 3)
+    fetched = []
+    fetch = eagle_drafter.lm_head_rows
+    monkeypatch.setattr(eagle_drafter, "lm_head_rows", lambda m, ids: fetched.append(ids.tolist()) or fetch(m, ids))
+    steps = (([20, 21], [20, 21]), ([21, 22, 20], [22]), ([23], [23]), ([21, 20], [21]))  # 21: least recently used
+    for ids, missing in steps:
+        weight, bias = drafter._context_rows(ids)
+        assert torch.equal(weight, lm_rows[ids]) and bias is None and fetched.pop() == missing
+        assert len(drafter.row_cache) <= 3 and not fetched
 
 
 @pytest.mark.parametrize("family", list(HYPER))

@@ -20,6 +20,7 @@ and each committed token's LM-head rows are gathered as they arrive (a few hundr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,9 @@ from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_
 from ..tree import DraftTree, additive_mask, chain
 from ..frozen import lm_head, lm_head_rows
 from .eagle import EagleHead
+
+
+CONTEXT_ROWS_CACHED = 4096  # LM-head rows of context tokens kept for reuse (Qwen2.5-1.5B: 12 MB in bf16)
 
 
 @dataclass
@@ -73,6 +77,7 @@ class EagleDrafter(Drafter):
         self.lm_weight, self.lm_bias = lm_head_rows(target, head.d2t) if not full else (None, None)
         self.d2t = head.d2t.cpu()
         self.reduced = not full
+        self.row_cache: OrderedDict[int, tuple] = OrderedDict()  # token id -> its LM-head row (and bias), LRU
         # on a CPU the head's matmuls run on oneDNN-packed weights, as the static target pass runs the target's
         # (memory-neutral: the packed tensors replace the dense ones; the head's state dict stays dense)
         self.dtype = model_dtype(self.head)  # before packing turns its linears' parameters into buffers
@@ -82,11 +87,9 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def start(self, ctx: DraftContext) -> EagleState:
-        """Queue the prompt's pairs: the head feeds them at its first draft (its prefill), so a request in a batch
-        too loaded to draft never pays for it."""
-        state = self.observe(EagleState(self.head.new_cache()), ctx)
-        self._add_context(state, ctx.tokens.tolist())
-        return state
+        """Queue the prompt's pairs: the head feeds them (and gathers the LM-head rows of the prompt's tokens outside
+        its draft vocabulary) at its first draft, so a request in a batch too loaded to draft never pays for it."""
+        return self.observe(EagleState(self.head.new_cache()), ctx)
 
     def observe(self, state: EagleState, ctx: DraftContext) -> EagleState:
         """Queue the features of the positions the target just cached."""
@@ -115,11 +118,28 @@ class EagleDrafter(Drafter):
         new = sorted(set(ids[~torch.isin(ids, self.d2t)].tolist()) - set(state.context_ids))
         if not new:
             return
-        weight, bias = lm_head_rows(self.target, torch.tensor(new))
+        weight, bias = self._context_rows(new)
         state.context_ids += new
         state.context_weight = _append(state.context_weight, weight)
         state.context_bias = None if bias is None else _append(state.context_bias, bias)
         state.draft_ids = torch.cat([self.d2t, torch.tensor(state.context_ids, dtype=self.d2t.dtype)])
+
+    def _context_rows(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head's rows (and bias) for ``ids``, from the drafter's cache of recently used rows: a packed head
+        unpacks a whole block of rows to read one (~10 ms for Qwen2.5's 16384 x 1536 blocks), and requests share
+        their rare tokens (names, identifiers)."""
+        missing = [i for i in ids if i not in self.row_cache]
+        if missing:
+            weight, bias = lm_head_rows(self.target, torch.tensor(missing))
+            for j, i in enumerate(missing):
+                self.row_cache[i] = (weight[j], None if bias is None else bias[j])
+        rows = [self.row_cache[i] for i in ids]
+        for i in ids:
+            self.row_cache.move_to_end(i)
+        while len(self.row_cache) > CONTEXT_ROWS_CACHED:
+            self.row_cache.popitem(last=False)
+        bias = None if rows[0][1] is None else torch.stack([b for _, b in rows])
+        return torch.stack([w for w, _ in rows]), bias
 
     def _logits(self, feats: torch.Tensor) -> torch.Tensor:
         """(n, H) features -> (n, draft_vocab) logits (the LM head's rows for the draft vocabulary)."""
@@ -150,7 +170,7 @@ class EagleDrafter(Drafter):
             return
         m, start = state.pending.shape[0], state.cached
         tokens = ctx.tokens[start + 1:start + m + 1].tolist()  # x_{t+1} for each queued pair t; the last is the root
-        self._add_context(state, tokens)
+        self._add_context(state, ctx.tokens[start:start + m + 1].tolist())  # x_0 too at the first feed
         out = self._run(self._fuse(state.pending.to(self.dtype)), tokens, list(range(start, start + m)), state.cache)
         state.cached, state.pending, state.root_feature = start + m, None, out[-1]
 
@@ -234,7 +254,7 @@ class EagleDrafter(Drafter):
             if n:
                 feats[j, :n] = state.pending
                 tokens[j, :n] = ctx.tokens[state.cached + 1:state.cached + n + 1]
-                self._add_context(state, tokens[j, :n].tolist())
+                self._add_context(state, ctx.tokens[state.cached:state.cached + n + 1].tolist())
         at = torch.tensor([[state.cached + i for i in range(m)] for state in rows], device=feats.device)
         out = self._run_rows(self._fuse(feats.to(self.dtype)), tokens, at, cache)
         for j, (state, n) in enumerate(zip(rows, queued)):
