@@ -117,7 +117,8 @@ class BatchPass(StaticPass):
         if slots[-1].row == len(slots) - 1 and runs == len(set(widths)):
             return
         order = sorted(slots, key=lambda slot: (-slot.length, slot.row))
-        order += [slot for slot in self.claimed if slot not in order]
+        placed = {id(slot) for slot in order}
+        order += [slot for slot in self.claimed if id(slot) not in placed]  # claimed, not in this pass: behind
         moved = [(slot.row, new) for new, slot in enumerate(order) if slot.row != new]
         if not moved:
             return

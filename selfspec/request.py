@@ -107,10 +107,15 @@ def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, policy
     req = DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen, depth_for=policy.choose, rate_for=policy.rate,
                        node_cost=node_cost or (policy.cost.ratio if policy.enabled else None))
     tree, dstate = drafter.draft(dstate, ctx, req)
-    if tree.max_depth > depth or tree.size > cfg.max_nodes or int(tree.tokens[0]) != root:
+    return within_limits(drafter, tree, depth, cfg.max_nodes, root), dstate
+
+
+def within_limits(drafter: Drafter, tree: DraftTree, depth: int, max_nodes: int, root: int) -> DraftTree:
+    """``tree``, if the drafter kept to the limits it was given (else a drafter bug, said in one line)."""
+    if tree.max_depth > depth or tree.size > max_nodes or int(tree.tokens[0]) != root:
         raise SelfspecError(f"drafter '{drafter.name}' broke its limits (depth {tree.max_depth} > {depth}, "
-                            f"or {tree.size} nodes > {cfg.max_nodes}, or a wrong root)")
-    return tree, dstate
+                            f"or {tree.size} nodes > {max_nodes}, or a wrong root)")
+    return tree
 
 
 def accept(tree: DraftTree, ver: Verification, sampling: SamplingConfig, gen: torch.Generator) -> tuple[list[int], int]:
@@ -208,12 +213,8 @@ class Request:
     def drafted(self, tree: DraftTree, seconds: float) -> DraftTree:
         """``tree`` was drafted for this request together with other requests' (``seconds``: its share of the
         time); checked against its limits as its own drafts are."""
-        root = int(self.ctx.tokens[-1])
-        if tree.max_depth > self.max_depth or tree.size > self.cfg.max_nodes or int(tree.tokens[0]) != root:
-            raise SelfspecError(f"drafter '{self.drafter.name}' broke a request's limits (depth {tree.max_depth} > "
-                                f"{self.max_depth}, or {tree.size} nodes > {self.cfg.max_nodes}, or a wrong root)")
         self._draft_s = seconds
-        return tree
+        return within_limits(self.drafter, tree, self.max_depth, self.cfg.max_nodes, int(self.ctx.tokens[-1]))
 
     def advance(self, target, tree: DraftTree, ver: Verification, verify_s: float) -> list[int]:
         """Accept from the pass's verdict ``ver`` on ``tree``, commit, apply EOS / max tokens / stop strings and
