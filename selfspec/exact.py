@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
+from . import row_attention
+
 log = logging.getLogger(__name__)
 
 WIDTH_STEP = 32  # key widths are rounded up to this: fewer distinct widths (calls) per pass, <= 31 masked keys
@@ -83,6 +85,7 @@ class ExactPlan:
     groups: list[RowGroup]
     stacked: bool = True  # groups of one width share a call (where the self-test found that keeps every row's bits)
     prepared: dict = field(default_factory=dict, repr=False, compare=False)  # its calls, built at the first layer
+    tree: tuple[int, list[int]] | None = None  # (cache length, parents): what the row attention kernel needs
 
 
 @dataclass
@@ -138,7 +141,7 @@ def plan_pass(parents: list[int], depth: list[int], cache_len: int, slots: int, 
         for width, rows in by_width.items():
             for part in [rows] if batched else [[r] for r in rows]:
                 groups.append(_group(part, [depth[r] for r in part], width, cache_len, keys, dtype, device))
-    return ExactPlan(groups, batched)
+    return ExactPlan(groups, batched, tree=(cache_len, list(parents)))
 
 
 def _group(rows: list[int], depths: list[int], width: int, cache_len: int, keys: torch.Tensor | None,
@@ -158,6 +161,11 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     i by ``plan.plans[i]`` (an ``ExactPlan`` alone: a batch of one); returns (B, q, heads, d), zeros in the rows the
     plans leave out (padding). Groups of one shape share a call where the plan is stacked."""
     b, heads, q, d = query.shape
+    plans = plan.plans if isinstance(plan, BatchPlan) else [plan]
+    if row_attention.usable(query) and all(p is None or p.tree is not None for p in plans):
+        if "rows" not in plan.prepared:
+            plan.prepared["rows"] = row_attention.row_keys([p and p.tree for p in plans], q)
+        return row_attention.attend(query, key, value, plan.prepared["rows"], scale)
     calls = _calls(plan, b, q, heads, key.shape[1], d)
     if len(calls) == 1 and calls[0].run == (0, b) and calls[0].span == (0, q):  # one call over every row
         return _attend(calls[0], query, key, value, scale)

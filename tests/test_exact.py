@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conftest import OracleTreeDrafter, perturb, prompt_for, tiny_model
-from selfspec import exact
+from selfspec import exact, row_attention
 from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
@@ -22,6 +22,17 @@ from selfspec.target_pass import make_target_pass
 from selfspec.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(params=["rows", "torch"])
+def attention(request, monkeypatch) -> str:
+    """The exact pass attends through the row attention kernel or, as where that cannot be built, torch's kernel
+    (one call per key width)."""
+    if request.param == "torch":
+        monkeypatch.setattr(row_attention, "kernel", lambda: None)
+    elif row_attention.kernel() is None:
+        pytest.skip("the row attention kernel cannot be built here")
+    return request.param
 
 VOCAB, NEW = 256, 40
 
@@ -68,7 +79,7 @@ def outputs(exact_pass: bool, arch: str, drafter: str, seeds=range(3)) -> list[t
 
 @pytest.mark.parametrize("drafter", ["tree64", "lookup", "draft-model", "eagle", "eagle3", "medusa", "early-exit"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_every_method_equals_plain_bit_for_bit_in_bf16(arch: str, drafter: str) -> None:
+def test_every_method_equals_plain_bit_for_bit_in_bf16(arch: str, drafter: str, attention: str) -> None:
     for plain, spec in outputs(True, arch, drafter):
         assert spec == plain
 
@@ -86,7 +97,7 @@ def _tree(tokens: list[int]) -> DraftTree:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_rows_results_do_not_depend_on_the_other_rows(arch: str) -> None:
+def test_a_rows_results_do_not_depend_on_the_other_rows(arch: str, attention: str) -> None:
     """The chain's rows give the same bits whatever the other branches hold, and the same as plain steps."""
     model = bf16_model(7, arch)
     target = make_target_pass(model, "static")
@@ -171,6 +182,7 @@ def test_an_attention_kernel_that_batches_rows_differently_is_run_row_by_row(mon
 
     monkeypatch.setattr(exact, "scaled_dot_product_attention", batch_dependent)
     monkeypatch.setattr(exact, "_BATCHED", {})
+    monkeypatch.setattr(row_attention, "kernel", lambda: None)  # the fallback where the row kernel is not built
     assert not exact.batching_keeps_rows(4, 2, 16, torch.device("cpu"), torch.bfloat16)
     plan = exact.plan_pass([-1, 0, 1, 0], [0, 1, 2, 1], 40, 128, torch.bfloat16, torch.device("cpu"), batched=False)
     assert all(g.rows.numel() == 1 for g in plan.groups)
@@ -224,7 +236,7 @@ def batch_outputs(arch: str, drafter: str, exact_pass: bool, seed: int) -> tuple
 
 @pytest.mark.parametrize("drafter", ["none", "lookup", "eagle"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_each_row_of_a_batch_equals_plain_bit_for_bit_in_bf16(arch: str, drafter: str) -> None:
+def test_each_row_of_a_batch_equals_plain_bit_for_bit_in_bf16(arch: str, drafter: str, attention: str) -> None:
     """Requests decoded together each get the tokens plain bf16 decoding gives them alone, whoever shares the batch."""
     for seed in (5, 6):
         plain, batched = batch_outputs(arch, drafter, True, seed)
