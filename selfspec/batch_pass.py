@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import row_attention
 from .attention import static_attention
 from .errors import SelfspecError
 from .exact import BatchPlan, plan_pass, row_chunks, width_for
@@ -163,7 +164,7 @@ class BatchPass(StaticPass):
         layers = state_layers(hidden_states)
         if len({self._own(slot).row for slot, _ in items}) != len(items):
             raise SelfspecError("a batched pass verifies each request once")
-        if self.exact:
+        if self.exact and not row_attention.used(self.device, self.dtype):  # the row kernel reads any rows in place
             self.arrange([slot for slot, _ in items])
         by_row = {slot.row: (slot, tree) for slot, tree in items}
         for slot, tree in items:

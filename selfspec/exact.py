@@ -7,9 +7,13 @@ linears give every row the same bits for any number of rows up to a limit, norms
 work row by row. So the exact pass fixes how each query row attends:
 
     keys      a row at position p sees the cache, then its ancestors in depth order, then itself: exactly
-              the p + 1 keys a plain step at p sees, in the same order. The tree is covered by paths: the chain
-              after the root (in slot order) reads the cache in place; every other path (from its first node
-              down its first children) has its keys, the cache then the path's nodes, gathered once for its rows
+              the p + 1 keys a plain step at p sees, in the same order
+    kernel    on an AVX-512 CPU the row attention kernel (``selfspec/row_attention.py``) attends every row of a
+              pass over its own keys in one call per layer, each row's bits independent of the call by
+              construction; the rules below are how torch's attention kernel is used where it is not built.
+    paths     the tree is covered by paths: the chain after the root (in slot order) reads the cache in place;
+              every other path (from its first node down its first children) has its keys, the cache then the
+              path's nodes, gathered once for its rows
     width     every call is ``width(p) = round_up(p + 1, WIDTH_STEP)`` keys wide, the rest masked, in the plain
               step too: the kernel's reduction depends on the width, so rows of equal width can share a call
     rows      each row's query heads are folded per K/V head (one block per K/V head, as the plain step folds
@@ -162,7 +166,7 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     plans leave out (padding). Groups of one shape share a call where the plan is stacked."""
     b, heads, q, d = query.shape
     plans = plan.plans if isinstance(plan, BatchPlan) else [plan]
-    if row_attention.usable(query) and all(p is None or p.tree is not None for p in plans):
+    if row_attention.used(query.device, query.dtype) and all(p is None or p.tree is not None for p in plans):
         if "rows" not in plan.prepared:
             plan.prepared["rows"] = row_attention.row_keys([p and p.tree for p in plans], q)
         return row_attention.attend(query, key, value, plan.prepared["rows"], scale)

@@ -20,13 +20,12 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from importlib.resources import as_file, files
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "row_attention.cpp"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -41,8 +40,9 @@ def kernel():
         from torch.utils.cpp_extension import load
 
         log.info("building the row attention kernel for this CPU (once)")
-        module = load(name="selfspec_row_attention", sources=[str(SOURCE)], verbose=False,
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        with as_file(files("selfspec") / "csrc" / "row_attention.cpp") as source:  # package data
+            module = load(name="selfspec_row_attention", sources=[str(source)], verbose=False,
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build failure means: use torch's kernel
         log.warning("row attention kernel unavailable (%s); the exact pass uses torch's attention kernel",
                     str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
@@ -50,9 +50,9 @@ def kernel():
     return module if module.row_attention_available() else None
 
 
-def usable(query: torch.Tensor) -> bool:
-    """Whether a pass over ``query``'s device and dtype attends through the kernel."""
-    return query.device.type == "cpu" and query.dtype in DTYPES and kernel() is not None
+def used(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an exact pass on ``device`` in ``dtype`` attends through the kernel."""
+    return torch.device(device).type == "cpu" and dtype in DTYPES and kernel() is not None
 
 
 @dataclass
