@@ -166,7 +166,8 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     plans leave out (padding). Groups of one shape share a call where the plan is stacked."""
     b, heads, q, d = query.shape
     plans = plan.plans if isinstance(plan, BatchPlan) else [plan]
-    if row_attention.used(query.device, query.dtype) and all(p is None or p.tree is not None for p in plans):
+    rows = all(p is None or p.tree is not None for p in plans)
+    if rows and row_attention.used(query.device, query.dtype, (heads, key.shape[1], d)):
         if "rows" not in plan.prepared:
             plan.prepared["rows"] = row_attention.row_keys([p and p.tree for p in plans], q)
         return row_attention.attend(query, key, value, plan.prepared["rows"], scale)

@@ -50,9 +50,43 @@ def kernel():
     return module if module.row_attention_available() else None
 
 
-def used(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether an exact pass on ``device`` in ``dtype`` attends through the kernel."""
-    return torch.device(device).type == "cpu" and dtype in DTYPES and kernel() is not None
+def used(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] | None = None) -> bool:
+    """Whether an exact pass on ``device`` in ``dtype`` attends through the kernel; given ``shape`` (heads, K/V
+    heads, head_dim), only where the start-up self-test finds every row's bits independent of the call."""
+    if torch.device(device).type != "cpu" or dtype not in DTYPES or kernel() is None:
+        return False
+    return shape is None or keeps_rows(*shape, dtype)
+
+
+@functools.cache
+def keeps_rows(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """The start-up self-test (cached per shape and dtype): a 10-node tree on a 300-token cache beside another
+    request's rows, in one call, each row alone, and each row as a plain step (its keys copied in order to
+    contiguous slots), must give every row the same bits. The kernel is written so that they do; this checks the
+    build (compiler, CPU) rather than assuming it. Where it fails, the exact pass uses torch's kernel (said once)."""
+    gen = torch.Generator().manual_seed(0)
+    k, v = ((torch.randn(2, kv_heads, 512, head_dim, generator=gen) * 2).to(dtype) for _ in range(2))
+    parents = [-1, 0, 1, 2, 0, 4, 1, 6, 6, 3]
+    rows = row_keys([(300, parents), (137, [-1, 0, 1])], q=len(parents))
+    q = (torch.randn(rows.entry.numel(), heads, head_dim, generator=gen) * 2).to(dtype)
+    run, scale = kernel().row_attention, head_dim ** -0.5
+    together = run(q, k, v, rows.entry, rows.prefix, rows.extra, rows.count, scale)
+    ok = True
+    for r in range(len(parents)):
+        one = slice(r, r + 1)
+        alone = run(q[one], k, v, rows.entry[one], rows.prefix[one], rows.extra[one], rows.count[one], scale)
+        slots = list(range(300)) + rows.extra[r, :int(rows.count[r])].tolist()
+        n = len(slots)
+        plain_k, plain_v = torch.zeros_like(k[:1]), torch.zeros_like(v[:1])
+        plain_k[0, :, :n], plain_v[0, :, :n] = k[0][:, slots], v[0][:, slots]
+        step = run(q[one], plain_k, plain_v, torch.tensor([0]), torch.tensor([n - 1]), torch.tensor([[n - 1]]),
+                   torch.tensor([1]), scale)
+        ok &= torch.equal(alone, together[one]) and torch.equal(step, together[one])
+    if not ok:
+        log.warning("the row attention kernel gave a row other bits beside other rows on this CPU (%d heads, %d K/V "
+                    "heads, head_dim %d, %s); the exact pass uses torch's attention kernel", heads, kv_heads,
+                    head_dim, dtype)
+    return ok
 
 
 @dataclass

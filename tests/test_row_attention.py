@@ -76,3 +76,36 @@ def test_a_tree_row_gets_a_plain_steps_bits_alone_or_beside_other_rows(heads: in
         step = run(q[one], plain_k, plain_v, torch.tensor([0]), torch.tensor([n - 1]), torch.tensor([[n - 1]]),
                    torch.tensor([1]), d ** -0.5)
         assert torch.equal(alone, together[one]) and torch.equal(step, together[one])
+
+
+class RowVariantKernel:
+    """Negative control: the real kernel, except that a row beside other rows gets its last bit nudged."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def row_attention(self, q, *args):
+        out = self.real.row_attention(q, *args)
+        return out if q.shape[0] == 1 else out + torch.finfo(out.dtype).eps * out.abs()
+
+
+def test_the_self_test_catches_a_row_variant_kernel_and_the_exact_pass_falls_back(monkeypatch) -> None:
+    from selfspec import exact
+
+    real = row_attention.kernel()
+    row_attention.keeps_rows.cache_clear()
+    monkeypatch.setattr(row_attention, "kernel", lambda: RowVariantKernel(real))
+    try:
+        assert not row_attention.keeps_rows(4, 2, 16, torch.bfloat16)
+        assert not row_attention.used(torch.device("cpu"), torch.bfloat16, (4, 2, 16))
+        calls = []
+        monkeypatch.setattr(row_attention, "attend", lambda *a: calls.append(a))
+        q = torch.randn(1, 4, 3, 16).to(torch.bfloat16)
+        k, v = cache(1, 2, 128, 16, torch.bfloat16, 4)
+        plan = exact.plan_pass([-1, 0, 0], [0, 1, 1], 40, 128, torch.bfloat16, torch.device("cpu"))
+        out = exact.exact_attention(q, k, v, plan, None)  # through torch's kernel, by paths
+        assert not calls and out.shape == (1, 3, 4, 16)
+    finally:
+        monkeypatch.undo()
+        row_attention.keeps_rows.cache_clear()
+    assert row_attention.keeps_rows(4, 2, 16, torch.bfloat16)  # the real kernel passes
