@@ -60,8 +60,10 @@ def exact_cost(args: argparse.Namespace) -> dict:
         raise SelfspecError(f"this device's self-test refuses the exact pass: {passes['exact'].support.reason}")
     prompts = load_bench_prompts(args.prompts.split(","), args.n, tokenizer)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, max_nodes=args.max_nodes)
-    for target in passes.values():  # warm-up
-        SpeculativeEngine(model, backend=target).generate([1, 2, 3, 4], DecodeConfig(max_new_tokens=4))
+    warm = apply_chat_template(tokenizer, prompts[0].messages([])[: len(prompts[0].system) + 1])
+    for target in passes.values():  # warm-up: every method on a question-sized prompt (kernels' first shapes)
+        for drafter in drafters.values():
+            SpeculativeEngine(model, drafter, backend=target).generate(warm, DecodeConfig(max_new_tokens=16))
     rows = []
     for q, prompt in enumerate(prompts):
         ids = apply_chat_template(tokenizer, prompt.messages([])[: len(prompt.system) + 1])

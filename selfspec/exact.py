@@ -84,12 +84,29 @@ class RowGroup:
 
 @dataclass
 class ExactPlan:
-    """How every (non-padding) row of a pass attends; passed to the attention as ``selfspec_exact``."""
+    """How every (non-padding) row of a pass over a tree attends (node i written at slot cache_len + i of a cache of
+    ``slots`` slots); passed to the attention as ``selfspec_exact``. The row attention kernel reads the tree itself;
+    torch's kernel reads ``groups``, built at first use."""
 
-    groups: list[RowGroup]
+    parents: list[int]
+    depth: list[int]
+    cache_len: int
+    slots: int
+    dtype: torch.dtype
+    device: torch.device
     stacked: bool = True  # groups of one width share a call (where the self-test found that keeps every row's bits)
     prepared: dict = field(default_factory=dict, repr=False, compare=False)  # its calls, built at the first layer
-    tree: tuple[int, list[int]] | None = None  # (cache length, parents): what the row attention kernel needs
+
+    @property
+    def tree(self) -> tuple[int, list[int]]:
+        """(cache length, parents): what the row attention kernel needs."""
+        return self.cache_len, self.parents
+
+    @property
+    def groups(self) -> list[RowGroup]:
+        if "groups" not in self.prepared:
+            self.prepared["groups"] = cover(self)
+        return self.prepared["groups"]
 
 
 @dataclass
@@ -114,10 +131,17 @@ def ancestor_path(parents: list[int], node: int) -> list[int]:
 def plan_pass(parents: list[int], depth: list[int], cache_len: int, slots: int, dtype: torch.dtype,
               device: torch.device, batched: bool = True) -> ExactPlan:
     """The plan for a pass over a tree (``parents``, ``depth``; node i written at slot cache_len + i) on a cache of
-    ``slots`` slots. The tree is covered by paths: the rows that read the cache in place (the root and the chain
-    that follows it in slot order), then, for each other node not yet covered, the path down its first children;
-    a path's rows of one width are a group, whose keys (the cache, then the path's nodes) are gathered once.
-    ``batched``: groups of a width share a call; False: every row is a group and a call of its own."""
+    ``slots`` slots. ``batched``: groups of a width share a call; False: every row is a group and a call of its
+    own."""
+    return ExactPlan(list(parents), list(depth), cache_len, slots, dtype, device, batched)
+
+
+def cover(plan: ExactPlan) -> list[RowGroup]:
+    """The plan's groups for torch's kernel. The tree is covered by paths: the rows that read the cache in place (the
+    root and the chain that follows it in slot order), then, for each other node not yet covered, the path down its
+    first children; a path's rows of one width are a group, whose keys (the cache, then the path's nodes) are
+    gathered once."""
+    parents, depth, cache_len = plan.parents, plan.depth, plan.cache_len
     children: list[list[int]] = [[] for _ in parents]
     for node, parent in enumerate(parents[1:], 1):
         children[parent].append(node)
@@ -141,11 +165,11 @@ def plan_pass(parents: list[int], depth: list[int], cache_len: int, slots: int, 
             keys[cache_len:] = cache_len + torch.tensor(full)
         by_width: dict[int, list[int]] = {}
         for node in path:
-            by_width.setdefault(width_for(cache_len + depth[node], slots), []).append(node)
+            by_width.setdefault(width_for(cache_len + depth[node], plan.slots), []).append(node)
         for width, rows in by_width.items():
-            for part in [rows] if batched else [[r] for r in rows]:
-                groups.append(_group(part, [depth[r] for r in part], width, cache_len, keys, dtype, device))
-    return ExactPlan(groups, batched, tree=(cache_len, list(parents)))
+            for part in [rows] if plan.stacked else [[r] for r in rows]:
+                groups.append(_group(part, [depth[r] for r in part], width, cache_len, keys, plan.dtype, plan.device))
+    return groups
 
 
 def _group(rows: list[int], depths: list[int], width: int, cache_len: int, keys: torch.Tensor | None,
@@ -166,8 +190,7 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     plans leave out (padding). Groups of one shape share a call where the plan is stacked."""
     b, heads, q, d = query.shape
     plans = plan.plans if isinstance(plan, BatchPlan) else [plan]
-    rows = all(p is None or p.tree is not None for p in plans)
-    if rows and row_attention.used(query.device, query.dtype, (heads, key.shape[1], d)):
+    if row_attention.used(query.device, query.dtype, (heads, key.shape[1], d)):
         if "rows" not in plan.prepared:
             plan.prepared["rows"] = row_attention.row_keys([p and p.tree for p in plans], q)
         return row_attention.attend(query, key, value, plan.prepared["rows"], scale)
