@@ -21,11 +21,13 @@ import logging
 import os
 from dataclasses import dataclass
 from importlib.resources import as_file, files
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
+NAME = "selfspec_row_attention"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -37,11 +39,13 @@ def kernel():
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
-        log.info("building the row attention kernel for this CPU (once)")
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+        if not any(root.glob(f"**/{NAME}/*.so")):
+            log.warning("building selfspec's row attention kernel for this CPU (once, 20-40 s; cached in %s)", root)
         with as_file(files("selfspec") / "csrc" / "row_attention.cpp") as source:  # package data
-            module = load(name="selfspec_row_attention", sources=[str(source)], verbose=False,
+            module = load(name=NAME, sources=[str(source)], verbose=False,
                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build failure means: use torch's kernel
         log.warning("row attention kernel unavailable (%s); the exact pass uses torch's attention kernel",
