@@ -11,8 +11,9 @@
     keep      per row: the accepted path gathered behind the row's root, the row's length moved; nothing else
               is copied, rejected entries stay as stale slots the masks hide until overwritten
     prefill   one request's row at a time, in chunks (``PREFILL_CHUNK``), between the batch's passes
-    order     the exact pass gives a pass's requests rows 0..n-1, longest first, when rows of one key width are not
-              adjacent (``arrange``): each width's rows then attend in one call over their cache rows in place
+    order     the exact pass through torch's attention kernel gives a pass's requests rows 0..n-1, longest first,
+              when rows of one key width are not adjacent (``arrange``): each width's rows then attend in one call
+              over their cache rows in place (the row attention kernel reads every row in place in one call)
 
 Exact (the default, as for the single-request static pass): each row attends over its own cache row exactly as
 that request's pass alone would (``exact.BatchPlan``), and the rows of a pass are padded to a power-of-two

@@ -28,6 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "selfspec_row_attention"
+MAX_HEAD_DIM = 256  # the kernel keeps a key's head_dim in 16 vector registers
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -59,7 +60,7 @@ def used(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] |
     heads, head_dim), only where the start-up self-test finds every row's bits independent of the call."""
     if torch.device(device).type != "cpu" or dtype not in DTYPES or kernel() is None:
         return False
-    return shape is None or keeps_rows(*shape, dtype)
+    return shape is None or (shape[2] <= MAX_HEAD_DIM and keeps_rows(*shape, dtype))
 
 
 @functools.cache
