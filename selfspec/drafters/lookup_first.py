@@ -71,6 +71,7 @@ class LookupFirstDrafter(Drafter):
                   for ctx, depth in zip(ctxs, depths)]
         found = [depth > 0 and tree.max_depth >= min(self.min_depth, depth) for tree, depth in zip(looked, depths)]
         inner = self.inner.propose_chains(states, ctxs, [0 if hit else depth for hit, depth in zip(found, depths)])
+        self.catch_up_s = self.inner.catch_up_s
         for tree in (tree for tree, hit in zip(looked, found) if hit):
             tree.source = self.lookup.name
         return [tree if hit else other for tree, hit, other in zip(looked, found, inner)]

@@ -20,6 +20,7 @@ and each committed token's LM-head rows are gathered as they arrive (a few hundr
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -210,11 +211,14 @@ class EagleDrafter(Drafter):
         live = [i for i, state in enumerate(states)
                 if depths[i] > 0 and (state.root_feature is not None or state.pending is not None)]
         drafts: list[list[int]] = [[] for _ in states]
+        self.catch_up_s = 0.0
         if live:
+            t0 = time.perf_counter()
             rows, depth = [states[i] for i in live], max(depths[i] for i in live)
             queued = [0 if state.pending is None else state.pending.shape[0] for state in rows]
             cache = self._padded_cache(rows, max(queued) + depth)
             self._catch_up_rows(rows, [ctxs[i] for i in live], queued, cache)
+            self.catch_up_s = time.perf_counter() - t0
             feats = torch.stack([state.root_feature for state in rows])
             for d in range(depth):
                 tokens = self._greedy(rows, feats)
