@@ -189,10 +189,11 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     i by ``plan.plans[i]`` (an ``ExactPlan`` alone: a batch of one); returns (B, q, heads, d), zeros in the rows the
     plans leave out (padding). Groups of one shape share a call where the plan is stacked."""
     b, heads, q, d = query.shape
-    plans = plan.plans if isinstance(plan, BatchPlan) else [plan]
-    if row_attention.used(query.device, query.dtype, (heads, key.shape[1], d)):
-        if "rows" not in plan.prepared:
-            plan.prepared["rows"] = row_attention.row_keys([p and p.tree for p in plans], q)
+    if "rows" not in plan.prepared:  # decided once per pass, not in every layer
+        plans = plan.plans if isinstance(plan, BatchPlan) else [plan]
+        rows = row_attention.used(query.device, query.dtype, (heads, key.shape[1], d))
+        plan.prepared["rows"] = row_attention.row_keys([p and p.tree for p in plans], q) if rows else None
+    if plan.prepared["rows"] is not None:
         return row_attention.attend(query, key, value, plan.prepared["rows"], scale)
     calls = _calls(plan, b, q, heads, key.shape[1], d)
     if len(calls) == 1 and calls[0].run == (0, b) and calls[0].span == (0, q):  # one call over every row
