@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"positions each, at most {DEFAULT_MAX_BATCH})")
     g.add_argument("--max-context", type=positive_int, default=None,
                    help="positions per request, prompt + answer (default: the model's, at most 4096)")
+    g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
+                   help="MiB of prompts' KV kept for later prompts that start the same way (a repeated question, a "
+                        "shared system prompt, a chat's earlier turns): reused exactly, never changing a token; 0: "
+                        "off (default: %(default)s)")
     g.add_argument("--queue-size", type=positive_int, default=16,
                    help="requests that may wait for a row of the batch; more are refused with 429 (default: %(default)s)")
     g.add_argument("--no-smoothing", action="store_true", help="send tokens as steps commit them, in bursts")
@@ -69,15 +73,17 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_target(args)
     drafter = build_drafter(args, model, tokenizer)
     engine = BatchEngine(model, drafter, tokenizer, max_batch=max_batch(args, model), context=args.max_context,
-                         exact=args.exact, memory_bytes=free_memory(model.device))
+                         exact=args.exact, memory_bytes=free_memory(model.device),
+                         prefix_cache=int(args.prefix_cache * 2**20))
     engine.check_config(decode_config(args))  # settings that cannot work: refused now, not on every request
     engine.generate_batch([tokenizer.encode("Hello")[:4] or [0]], DecodeConfig(max_new_tokens=4))  # first passes now
     engine.calibrate()  # what passes of 1-64 tokens cost here: the draft budget's starting point
     config = ServerConfig(model_name=args.served_model_name or args.model, max_waiting=args.queue_size,
                           smooth=not args.no_smoothing, default_max_tokens=args.max_new_tokens,
                           decode=decode_config(args))
+    cache = f"{args.prefix_cache:g} MiB prefix cache" if engine.prefix is not None else "no prefix cache"
     print(f"selfspec serve: {config.model_name} (batches of up to {engine.max_batch} x {engine.context:,} positions, "
-          f"drafter {getattr(drafter, 'name', 'none')}) on http://{args.host}:{args.port}/v1", flush=True)
+          f"{cache}, drafter {getattr(drafter, 'name', 'none')}) on http://{args.host}:{args.port}/v1", flush=True)
     serve(engine, tokenizer, config, host=args.host, port=args.port, log_level=args.log_level,
           graceful_timeout=args.graceful_timeout)
     return 0

@@ -10,7 +10,8 @@
               take part as dummies that write into the last b slots, which no request's tokens reach
     keep      per row: the accepted path gathered behind the row's root, the row's length moved; nothing else
               is copied, rejected entries stay as stale slots the masks hide until overwritten
-    prefill   one request's row at a time, in chunks (``PREFILL_CHUNK``), between the batch's passes
+    prefill   one request's row at a time, in chunks (``PREFILL_CHUNK``), between the batch's passes (exact: each
+              token as its plain step computes it, ``StaticPass.prefill_chunk``)
     order     the exact pass through torch's attention kernel gives a pass's requests rows 0..n-1, longest first,
               when rows of one key width are not adjacent (``arrange``): each width's rows then attend in one call
               over their cache rows in place (the row attention kernel reads every row in place in one call)
@@ -141,16 +142,27 @@ class BatchPass(StaticPass):
 
     # --- passes ----------------------------------------------------------------------------------------------
 
-    def prefill_chunk(self, slot: Slot, ids: torch.Tensor, start: int, layers: tuple[int, ...]
-                      ) -> tuple[torch.Tensor, ...]:
-        """Cache ``ids`` in ``slot``'s row at slots ``start..``; its length becomes start + len(ids)."""
+    def _place(self, slot: Slot, start: int, n: int) -> None:
         self._own(slot)
-        c = ids.numel()
         self.cache.rows = slice(slot.row, slot.row + 1)
-        self.cache.write = torch.arange(start, start + c, device=self.device)[None]
-        states = super().prefill_chunk(slot, ids, start, layers)
-        slot.length = start + c
-        return states
+        self.cache.write = torch.arange(start, start + n, device=self.device)[None]
+
+    def _prefilled(self, slot: Slot, length: int) -> None:
+        slot.length = length
+
+    def read_prefix(self, slot: Slot, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V of ``slot``'s first ``n`` positions: (layers, kv_heads, n, head_dim) each."""
+        r = self._own(slot).row
+        return (torch.stack([layer.keys[r, :, :n] for layer in self.cache.layers]),
+                torch.stack([layer.values[r, :, :n] for layer in self.cache.layers]))
+
+    def write_prefix(self, slot: Slot, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        """Fill ``slot``'s first ``n`` positions from ``keys``/``values`` (as ``read_prefix`` gives them)."""
+        r = self._own(slot).row
+        for layer, k, v in zip(self.cache.layers, keys, values):
+            layer.keys[r, :, :n] = k[:, :n]
+            layer.values[r, :, :n] = v[:, :n]
+        slot.length = n
 
     def verify(self, slot: Slot, tree: DraftTree, cache_len: int, hidden_states) -> Verification:
         """One request's pass (a batch of one)."""

@@ -36,6 +36,7 @@ from .budget import Budget
 from .context import context_length
 from .engine import GenerationResult, SpeculativeEngine
 from .errors import SelfspecError
+from .prefix_cache import PrefixCache
 from .request import DecodeConfig, DecodeState, Request, sync_device
 from .static_pass import PREFILL_CHUNK
 from .stats import GenerationStats
@@ -43,6 +44,7 @@ from .tree import chain
 
 DEFAULT_CONTEXT = 4096  # positions per request when the model allows as many (prompt + new tokens)
 PREFILL_BUDGET = 2 * PREFILL_CHUNK  # prompt tokens cached per step at most (whole chunks): the others' stall
+PREFIX_CACHE_BYTES = 256 * 2**20  # prompts' KV kept for reuse by default (least recently used dropped first)
 
 
 def default_context(config) -> int:
@@ -66,10 +68,13 @@ class BatchEngine:
     ``max_batch`` requests decode together, each of at most ``context`` positions (prompt + new tokens; default the
     model's own, at most ``DEFAULT_CONTEXT``); more wait for a row. ``exact``: every request's tokens are
     bit-identical to its plain decoding alone, whoever shares its batch, where this device's self-test allows.
+    ``prefix_cache``: bytes of prompts' KV kept for later prompts that start the same way (``PrefixCache``; 0: none);
+    kept only where prompts are cached exactly (``BatchPass.exact_prefill``), so reuse never changes a token.
     """
 
     def __init__(self, model: torch.nn.Module, drafter=None, tokenizer=None, max_batch: int = 8,
-                 context: int | None = None, exact: bool = True, memory_bytes: int | None = None) -> None:
+                 context: int | None = None, exact: bool = True, memory_bytes: int | None = None,
+                 prefix_cache: int = PREFIX_CACHE_BYTES) -> None:
         limit = context_length(model.config)
         if context and limit and context > limit:
             raise SelfspecError(f"a context of {context:,} positions per request (--max-context) exceeds the "
@@ -79,6 +84,7 @@ class BatchEngine:
         self.engine = SpeculativeEngine(model, drafter, tokenizer, backend=self.target)
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
         self.budget = Budget(self.target.buckets)
+        self.prefix = PrefixCache(prefix_cache) if prefix_cache and self.target.exact_prefill else None
         self.waiting: list[Request] = []
         self.joining: list[Joining] = []
         self.running: list[Request] = []
@@ -217,7 +223,9 @@ class BatchEngine:
         prompt is all cached starts decoding this step."""
         while self.waiting and self.target.free:
             req = self.waiting.pop(0)
-            self.joining.append(Joining(req, self.target.new_cache(req.max_len)))
+            job = Joining(req, self.target.new_cache(req.max_len))
+            self._reuse(job)
+            self.joining.append(job)
         budget = PREFILL_BUDGET
         for job in list(self.joining):
             prompt = job.req.ids[:-1]  # the last prompt token is the first root
@@ -232,8 +240,25 @@ class BatchEngine:
                 return
             self.joining.remove(job)
             hidden = tuple(torch.cat(parts) for parts in zip(*job.hidden)) if job.hidden else None
+            self._keep(job, prompt, hidden)
             job.req.prefilled(DecodeState(job.req.ids.clone(), job.slot, job.req.ids.numel()), hidden, self.target)
             self.running.append(job.req)
+
+    def _reuse(self, job: Joining) -> None:
+        """Start ``job`` from the longest cached prefix of its prompt (its K/V and the drafter's states copied)."""
+        if self.prefix is None:
+            return
+        n, entry = self.prefix.match(job.req.ids[:-1], job.req.need_hidden)
+        if entry is not None:
+            self.target.write_prefix(job.slot, entry.keys, entry.values, n)
+            job.done = job.req.stats.cached_prompt_tokens = n
+            job.hidden = [tuple(entry.hidden[i][:n] for i in job.req.need_hidden)] if job.req.need_hidden else None
+
+    def _keep(self, job: Joining, prompt: torch.Tensor, hidden: tuple | None) -> None:
+        """Keep a prompt just cached for later ones (its K/V and the drafter's states)."""
+        if self.prefix is not None and prompt.numel():
+            keys, values = self.target.read_prefix(job.slot, prompt.numel())
+            self.prefix.add(prompt, keys, values, dict(zip(job.req.need_hidden, hidden)) if hidden else None)
 
     def generate_batch(self, prompts: list, cfg: DecodeConfig | None = None, progress: bool = False
                        ) -> list[GenerationResult]:

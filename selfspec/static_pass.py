@@ -37,7 +37,10 @@ from transformers import StaticCache
 
 from .attention import static_attention
 from .errors import SelfspecError
-from .exact import ExactPlan, ExactSupport, check_exact, log as exact_log, plan_pass, row_chunks
+from . import row_attention
+from .exact import (ExactPlan, ExactSupport, check_exact, log as exact_log, plan_pass, prefill_parts, prefill_rows,
+                    row_chunks)
+from .memory import attention_layout
 from .packed_linear import is_packed, pack_linears
 from .paths import selfspec_home
 from .tree import DraftTree, chain
@@ -123,6 +126,7 @@ class StaticPass:
             exact_log.warning("exact target pass unavailable: %s; speculative output may differ from plain "
                               "decoding by rounding (each difference is diagnosed)", self.support.reason)
         self.exact = self.support.exact
+        self.exact_requested = exact and not compile
         if self.exact:  # a plain step too runs on the rows that give a row the bits it gets in every larger pass
             self.buckets = tuple(sorted({max(b, self.support.least) for b in self.buckets}))
 
@@ -188,16 +192,73 @@ class StaticPass:
 
     def prefill_chunk(self, handle: StaticHandle, ids: torch.Tensor, start: int, layers: tuple[int, ...]
                       ) -> tuple[torch.Tensor, ...]:
-        """Cache ``ids`` (1-D) at slots ``start..`` behind the ``start`` already cached; the ``layers``' states."""
+        """Cache ``ids`` (1-D) at slots ``start..`` behind the ``start`` already cached; the ``layers``' states.
+        Where the exact pass attends through the row kernel (``exact_prefill``), every token is computed as its plain
+        step would compute it, in forwards of row counts the self-test checked: a prompt's cache then has the same
+        bits however it is chunked, and a cached prefix can be reused exactly (``selfspec/prefix_cache.py``)."""
+        if not self.exact_prefill:
+            return self._prefill_rows(handle, ids, start, ids.numel(), layers, None)
+        states, done = [], 0
+        least, most = self.prefill_rows
+        for c, rows in prefill_parts(ids.numel(), most, least):
+            part = torch.zeros(rows, dtype=torch.long)
+            part[:c] = ids[done:done + c]
+            plan = plan_pass(list(range(-1, c - 1)), list(range(c)), start + done, self.max_len, self.dtype,
+                             self.device)
+            with row_chunks(self.support):
+                states.append(self._prefill_rows(handle, part, start + done, c, layers, plan))
+            done += c
+        self._prefilled(handle, start + done)
+        return tuple(torch.cat(parts) for parts in zip(*states)) if layers else ()
+
+    @property
+    def exact_prefill(self) -> bool:
+        """Whether every prompt token is cached with bits that depend on the tokens before it alone (exact asked for,
+        the row attention kernel used, the decoder's linears self-tested for the prompt forwards' row counts): then
+        as a plain step computes it where the pass is exact, and a cached prefix is reusable exactly in any case
+        (an inexact LM head does not matter: prompts need no logits)."""
+        if "exact_prefill" not in self.__dict__:
+            self.__dict__["exact_prefill"] = bool(
+                self.exact_requested and getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+                and row_attention.used(self.device, self.dtype, attention_layout(self.model.config)[1:])
+                and self.prefill_rows[1])
+        return self.__dict__["exact_prefill"]
+
+    @property
+    def prefill_rows(self) -> tuple[int, int]:
+        """(least, most) rows of a prompt's forward (``exact.prefill_rows``), self-tested at first use."""
+        if "prefill_rows" not in self.__dict__:
+            self.__dict__["prefill_rows"] = prefill_rows(self.model)
+        return self.__dict__["prefill_rows"]
+
+    def _prefill_rows(self, handle, ids: torch.Tensor, start: int, real: int, layers: tuple[int, ...],
+                      plan: ExactPlan | None) -> tuple[torch.Tensor, ...]:
+        """One forward caching ``ids`` at slots ``start..`` (the first ``real`` of them tokens, the rest padding);
+        under ``plan`` as the exact pass attends, else under a causal mask."""
         c = ids.numel()
+        self._place(handle, start, c)
         positions = torch.arange(start, start + c, device=self.device)[None]
+        extra = {} if plan is None else {"selfspec_exact": plan}
         with static_attention(self.model) as cut:  # eager: attend over the slots written so far
-            mask = static_mask(torch.ones(c, c, dtype=torch.bool).tril(), start, start + c if cut else self.max_len,
-                               self.dtype, self.device)
+            if plan is not None:
+                mask = torch.zeros(1, 1, c, 1, dtype=self.dtype, device=self.device)  # the plan says who sees what
+            else:
+                mask = static_mask(torch.ones(c, c, dtype=torch.bool).tril(), start,
+                                   start + c if cut else self.max_len, self.dtype, self.device)
             out = self.decoder(input_ids=ids.to(self.device)[None], position_ids=positions, attention_mask=mask,
                                use_cache=True, output_hidden_states=any(i != -1 for i in layers),
-                               **{self.kwarg: self.cache})
-        return tuple((out.last_hidden_state if i == -1 else out.hidden_states[i])[0] for i in layers)
+                               **{self.kwarg: self.cache}, **extra)
+        if plan is None:
+            self._prefilled(handle, start + c)
+        return tuple((out.last_hidden_state if i == -1 else out.hidden_states[i])[0, :real] for i in layers)
+
+    def _place(self, handle, start: int, n: int) -> None:
+        """Before a prefill forward of ``n`` rows at slots ``start..``: the static cache writes behind what it
+        holds (``start``)."""
+
+    def _prefilled(self, handle, length: int) -> None:
+        """After a prompt chunk: the cache holds ``length`` positions (padding rows cropped)."""
+        self._truncate(length)
 
     @torch.no_grad()
     def verify(self, handle: StaticHandle, tree: DraftTree, cache_len: int, hidden_states) -> Verification:

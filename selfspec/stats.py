@@ -22,6 +22,7 @@ class GenerationStats:
     dtype: str = ""  # the target's dtype ("bfloat16", ...): what --dtype auto chose
     target_pass: str = ""  # how the target ran: eager, static or compiled
     exact: bool = False  # every pass computed each row as a plain step does: output bit-identical to plain decoding
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not recomputed)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -288,16 +288,21 @@ def test_models_health_and_metrics_add_up(server):
     assert [m.id for m in models.data] == [MODEL]
     wait_idle(server)
     before = metrics(server)
-    answers = [chat(server, p, 16) for p in PROMPTS[:3]]
+    answers = [chat(server, p, 16) for p in [*PROMPTS[:3], PROMPTS[0]]]  # the last one again: from the prefix cache
     after = metrics(server)
 
     def delta(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert delta("selfspec_requests_total", endpoint="chat", status="ok") == 3
+    assert delta("selfspec_requests_total", endpoint="chat", status="ok") == 4
     assert delta("selfspec_generation_tokens_total") == sum(a.usage.completion_tokens for a in answers)
     assert delta("selfspec_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
-    assert delta("selfspec_time_to_first_token_seconds_count") == 3
+    again = answers[-1].usage
+    assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens - 1  # all but the first root
+    assert answers[-1].choices[0].message.content == answers[0].choices[0].message.content
+    assert delta("selfspec_prompt_tokens_cached_total") == sum(a.usage.prompt_tokens_details.cached_tokens
+                                                               for a in answers)
+    assert delta("selfspec_time_to_first_token_seconds_count") == 4
     assert 0 < delta("selfspec_target_passes_total") <= delta("selfspec_generation_tokens_total")
     tau = after["selfspec_mean_accepted_tokens"][()]
     assert tau == pytest.approx(after["selfspec_generation_tokens_total"][()] /

@@ -192,7 +192,8 @@ class Server:
                     yield event(chat_chunk(rid, model, {}, finish) if chat else completion_chunk(rid, model, "", finish))
                     if req.stream_options and req.stream_options.include_usage:
                         kind = "chat.completion.chunk" if chat else "text_completion"
-                        yield event(usage_chunk(rid, model, kind, usage(len(job.ids), len(end.tokens))))
+                        use = usage(len(job.ids), len(end.tokens), end.stats.cached_prompt_tokens)
+                        yield event(usage_chunk(rid, model, kind, use))
                 yield "data: [DONE]\n\n"
                 return
         finally:
@@ -218,7 +219,8 @@ class Server:
         text = shown.cut(self.tokenizer.decode(end.tokens, skip_special_tokens=True))
         finish = self.finish_reason(job, end.tokens, shown.stopped)
         build = chat_response if endpoint == "chat" else completion_response
-        return build(rid, self.config.model_name, text, finish, usage(len(job.ids), len(end.tokens)), self.summary(end))
+        use = usage(len(job.ids), len(end.tokens), end.stats.cached_prompt_tokens)
+        return build(rid, self.config.model_name, text, finish, use, self.summary(end))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:

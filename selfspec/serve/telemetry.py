@@ -21,6 +21,8 @@ class Telemetry:
         r = self.registry = Registry()
         self.requests = r.add(Counter("selfspec_requests_total", "Requests answered, by endpoint and outcome"))
         self.prompt_tokens = r.add(Counter("selfspec_prompt_tokens_total", "Prompt tokens of requests decoded"))
+        self.cached = r.add(Counter("selfspec_prompt_tokens_cached_total",
+                                    "Prompt tokens whose K/V the prefix cache gave (not recomputed)"))
         self.tokens = r.add(Counter("selfspec_generation_tokens_total", "Tokens the engine committed"))
         self.passes = r.add(Counter("selfspec_target_passes_total", "Target verification passes"))
         self.tau = r.add(Gauge("selfspec_mean_accepted_tokens", "Tokens per target pass over all requests (tau)"))
@@ -45,6 +47,7 @@ class Telemetry:
         """Engine thread: count what the request's decoding did."""
         s = end.stats
         self.prompt_tokens.inc(len(job.ids))
+        self.cached.inc(s.cached_prompt_tokens)
         self.tokens.inc(s.new_tokens)
         self.passes.inc(s.target_forwards)
         self.draft_s.inc(s.draft_s)
