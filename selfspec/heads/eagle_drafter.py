@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..attention import static_attention
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..drafters.dynamic_tree import Candidates, grow_tree, select_tree
 from ..errors import SelfspecError
@@ -38,6 +39,9 @@ from ..frozen import lm_head, lm_head_rows
 from .eagle import EagleHead
 
 
+CATCH_UP_TOGETHER = 16  # a batch feeds queues up to this long in one head pass (each row padded to the longest);
+# a longer one (a prompt, on a request's first draft) is fed alone: padding 16 rows to a 150-token prompt cost a
+# 16-row batch of SmolLM2 ~10 ms a step, more than its drafts won
 CONTEXT_ROWS_CACHED = 4096  # LM-head rows of context tokens kept for reuse (Qwen2.5-1.5B: 12 MB in bf16)
 
 
@@ -78,6 +82,8 @@ class EagleDrafter(Drafter):
         self.lm_weight, self.lm_bias = lm_head_rows(target, head.d2t) if not full else (None, None)
         self.d2t = head.d2t.cpu()
         self.reduced = not full
+        self.in_draft = torch.zeros(max(int(self.d2t.max()) + 1, lm_head(target).out_features), dtype=torch.bool)
+        self.in_draft[self.d2t] = True  # target id -> in the draft vocabulary (a lookup, not an isin per token)
         self.row_cache: OrderedDict[int, tuple] = OrderedDict()  # token id -> its LM-head row (and bias), LRU
         # on a CPU the head's matmuls run on oneDNN-packed weights, as the static target pass runs the target's
         # (memory-neutral: the packed tensors replace the dense ones; the head's state dict stays dense)
@@ -116,7 +122,7 @@ class EagleDrafter(Drafter):
         if not self.reduced:
             return
         ids = torch.tensor(tokens, dtype=torch.long)
-        new = sorted(set(ids[~torch.isin(ids, self.d2t)].tolist()) - set(state.context_ids))
+        new = sorted(set(ids[~self.in_draft[ids]].tolist()) - set(state.context_ids))
         if not new:
             return
         weight, bias = self._context_rows(new)
@@ -215,6 +221,9 @@ class EagleDrafter(Drafter):
         if live:
             t0 = time.perf_counter()
             rows, depth = [states[i] for i in live], max(depths[i] for i in live)
+            for state, i in zip(rows, live):  # a long queue (a new request's prompt) is fed on its own, not with every
+                if state.pending is not None and state.pending.shape[0] > CATCH_UP_TOGETHER:  # row padded to it
+                    self._catch_up(state, ctxs[i])
             queued = [0 if state.pending is None else state.pending.shape[0] for state in rows]
             cache = self._padded_cache(rows, max(queued) + depth)
             self._catch_up_rows(rows, [ctxs[i] for i in live], queued, cache)
@@ -286,7 +295,8 @@ class EagleDrafter(Drafter):
         mask = torch.where(seen, 0.0, torch.finfo(feats.dtype).min).to(feats.dtype)[:, None]
         cache.write = at
         embeds = self.embed(tokens.to(self.embed.weight.device)).to(device=feats.device, dtype=feats.dtype)
-        return self.head(feats, embeds, at, cache, mask)
+        with static_attention(self.head.decoder):  # K/V read in place per K/V head, not copied per query head
+            return self.head(feats, embeds, at, cache, mask)
 
     def extra_parameters(self) -> int:
         """The head's trained parameters plus the gathered LM-head rows of a reduced draft vocabulary (a copy)."""
