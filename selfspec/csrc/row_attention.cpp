@@ -3,7 +3,9 @@
 // selfspec/row_attention.py (torch.utils.cpp_extension), for this CPU (-march=native), AVX-512 only.
 //
 // One row r, query head h (K/V head h / group), keys j = 0 .. n-1 (slots 0 .. prefix-1, then extra[r, :count]):
-//   s_j  = sum over 16-lane chunks of q*scale x k_j (fused multiply-adds, chunks in order), then a fixed lane sum
+//   s_j  = a 16-lane vector of q x k_j products accumulated over the head dimension's chunks in order (bf16 with
+//          AVX512-BF16: dot-product instructions over 32-element chunks, then times the scale; else fused
+//          multiply-adds of q*scale), then its lane sum by a fixed tree, 16 keys at a time (hsum16)
 //   p_j  = exp(s_j - max s), 16 keys at a time (one polynomial for every lane)
 //   out  = (sum_j p_j v_j, j in order) / (sum of p_j: 16 lanes in order, then a fixed lane sum)
 // Nothing depends on which other rows share the call, where a row's keys sit in memory, or how work is split
@@ -50,7 +52,84 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// The rows [r0, r1) of one cache row (entry) and one K/V head: their `group` query heads each.
+// Lane t of the result: the lane sum of a[t], by one fixed tree for every t (halves of 256 bits, then of 128, then
+// lanes 2 apart, then 1 apart), whatever the other vectors hold: 15 adds and 30 shuffles for 16 sums.
+inline __m512 hsum16(const __m512* a) {
+  __m512 x[8], y[4], z[2];
+  for (int u = 0; u < 8; ++u)
+    x[u] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * u], a[2 * u + 1], 0x44), _mm512_shuffle_f32x4(a[2 * u], a[2 * u + 1], 0xEE));
+  for (int w = 0; w < 4; ++w)
+    y[w] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * w], x[2 * w + 1], 0x88), _mm512_shuffle_f32x4(x[2 * w], x[2 * w + 1], 0xDD));
+  for (int v = 0; v < 2; ++v)
+    z[v] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * v], y[2 * v + 1]), _mm512_unpackhi_ps(y[2 * v], y[2 * v + 1]));
+  const __m512 f = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))));
+  // f's lane 4k + r holds a[4r + k]'s sum
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+#if defined(__AVX512BF16__)
+#define ROWS_DPBF16 1
+#endif
+
+// A query vector, as the score of one key is computed from it: bf16 pairs for a bf16 cache where the CPU has
+// AVX512-BF16 (each score = dot-product instructions over 32-element chunks, then times the scale), else 16-lane
+// float chunks already times the scale (each score = fused multiply-adds over the chunks).
+template <typename T> struct Query {
+  static constexpr bool pairs = false;
+  __m512 c[16];
+  void load(const T* q, int64_t D, float scale) {
+    const int64_t C = (D + 15) / 16;
+    for (int64_t k = 0; k < C; ++k) {
+      const __mmask16 m = (k == C - 1 && D % 16) ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
+      c[k] = _mm512_mul_ps(load16(q + k * 16, m), _mm512_set1_ps(scale));
+    }
+  }
+  // lane t: this query's score against keys[t] (t < n; lanes from n on are 0)
+  __m512 scores(const T* const* keys, int n, int64_t D, float) const {
+    const int64_t C = (D + 15) / 16;
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) {
+      acc[t] = _mm512_setzero_ps();
+      if (t >= n) continue;
+      for (int64_t k = 0; k < C; ++k) {
+        const __mmask16 m = (k == C - 1 && D % 16) ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
+        acc[t] = _mm512_fmadd_ps(c[k], load16(keys[t] + k * 16, m), acc[t]);
+      }
+    }
+    return hsum16(acc);
+  }
+};
+
+#ifdef ROWS_DPBF16
+template <> struct Query<at::BFloat16> {
+  static constexpr bool pairs = true;
+  __m512bh c[8];
+  static __mmask32 mask(int64_t k, int64_t C, int64_t D) {
+    return (k == C - 1 && D % 32) ? (__mmask32)((1ull << (D % 32)) - 1) : (__mmask32)0xFFFFFFFFu;
+  }
+  void load(const at::BFloat16* q, int64_t D, float) {
+    const int64_t C = (D + 31) / 32;
+    for (int64_t k = 0; k < C; ++k) c[k] = (__m512bh)_mm512_maskz_loadu_epi16(mask(k, C, D), q + k * 32);
+  }
+  __m512 scores(const at::BFloat16* const* keys, int n, int64_t D, float scale) const {
+    const int64_t C = (D + 31) / 32;
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) {
+      acc[t] = _mm512_setzero_ps();
+      if (t >= n) continue;
+      for (int64_t k = 0; k < C; ++k)
+        acc[t] = _mm512_dpbf16_ps(acc[t], c[k], (__m512bh)_mm512_maskz_loadu_epi16(mask(k, C, D), keys[t] + k * 32));
+    }
+    return _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale));
+  }
+};
+#endif
+
+// The rows [r0, r1) of one cache row (entry) and one K/V head: their `group` query heads each. Row r's keys are
+// j = 0 .. prefix + count[r] - 1: slot j below the prefix, then its extra slots; scores come 16 keys at a time
+// (key j in lane j % 16 of block j / 16), so a score's arithmetic depends on its query, its key and j % 16 alone.
 template <typename T>
 void attend_task(const T* q, const T* k, const T* v, T* out, const int64_t* extra, const int64_t* count,
                  int64_t r0, int64_t r1, int64_t entry, int64_t prefix, int64_t kvh, int64_t H, int64_t group,
@@ -62,27 +141,31 @@ void attend_task(const T* q, const T* k, const T* v, T* out, const int64_t* extr
   int64_t most = 0;
   for (int64_t r = r0; r < r1; ++r) most = std::max(most, count[r]);
   const int64_t width = (prefix + most + 15) / 16 * 16;
-  std::vector<__m512> qv(m * C), acc(m * C);
+  std::vector<Query<T>> qv(m);
+  std::vector<__m512> acc(m * C);
   std::vector<float> scores(m * width);
-  for (int64_t i = 0; i < m; ++i) {  // query vector i: row r0 + i / group, head kvh * group + i % group
-    const T* qi = q + ((r0 + i / group) * H + kvh * group + i % group) * D;
-    for (int64_t c = 0; c < C; ++c)
-      qv[i * C + c] = _mm512_mul_ps(load16(qi + c * 16, mask(c)), _mm512_set1_ps(scale));
-  }
+  for (int64_t i = 0; i < m; ++i)  // query vector i: row r0 + i / group, head kvh * group + i % group
+    qv[i].load(q + ((r0 + i / group) * H + kvh * group + i % group) * D, D, scale);
   const T* kb = k + entry * sk0 + kvh * sk1;
   const T* vb = v + entry * sv0 + kvh * sv1;
-  __m512 kc[16];
-  auto dots = [&](const T* kj, int64_t i0, int64_t i1, int64_t j) {
-    for (int64_t c = 0; c < C; ++c) kc[c] = load16(kj + c * 16, mask(c));
-    for (int64_t i = i0; i < i1; ++i) {
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t c = 0; c < C; ++c) s = _mm512_fmadd_ps(qv[i * C + c], kc[c], s);
-      scores[i * width + j] = _mm512_reduce_add_ps(s);
+  const T* keys[16];
+  for (int64_t j0 = 0; j0 < prefix + most; j0 += 16) {
+    if (j0 + 16 <= prefix) {  // all in the prefix: every row's queries against the same 16 keys
+      for (int t = 0; t < 16; ++t) keys[t] = kb + (j0 + t) * sk2;
+      for (int64_t i = 0; i < m; ++i) _mm512_storeu_ps(scores.data() + i * width + j0, qv[i].scores(keys, 16, D, scale));
+      continue;
     }
-  };
-  for (int64_t j = 0; j < prefix; ++j) dots(kb + j * sk2, 0, m, j);
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t t = 0; t < count[r]; ++t) dots(kb + extra[r * E + t] * sk2, (r - r0) * group, (r - r0 + 1) * group, prefix + t);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = std::min<int64_t>(16, prefix + count[r] - j0);
+      if (n <= 0) continue;
+      for (int t = 0; t < n; ++t) {
+        const int64_t j = j0 + t;
+        keys[t] = kb + (j < prefix ? j : extra[r * E + j - prefix]) * sk2;
+      }
+      for (int64_t i = (r - r0) * group; i < (r - r0 + 1) * group; ++i)
+        _mm512_storeu_ps(scores.data() + i * width + j0, qv[i].scores(keys, (int)n, D, scale));
+    }
+  }
   std::vector<float> total(m);
   for (int64_t i = 0; i < m; ++i) {  // scores -> exp(s - max), in place; the sum of each row's weights
     float* s = scores.data() + i * width;
