@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,4", help="concurrent clients, comma-separated")
     p.add_argument("--requests", type=int, default=8, help="requests per cell (server x concurrency)")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--fresh", action="store_true",
+                   help="prompts never sent before to the server: each cell its own, once each (twice with --smooth "
+                        "both); by default a cell sends each of requests/2 prompts twice and every cell the same "
+                        "ones, which a server's prefix cache (selfspec's, vLLM's) then mostly answers from memory")
     p.add_argument("--time-limit", type=float, default=1800.0, help="stop sending after this many seconds")
     p.add_argument("--out", help="write every sample and the summary here (JSON)")
     return p
@@ -218,7 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("serve_load: error: --url must be a loopback address (127.0.0.1 / localhost)", file=sys.stderr)
         return 2
     tok = load_tokenizer(args.model)
-    prompts = [p.messages([]) for p in load_bench_prompts(["chat", "code"], max(1, args.requests // 4), tok, 300)]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    cells = len(levels) if args.fresh else 1
+    per_cell = (args.requests // 2 if args.smooth == "both" else args.requests) if args.fresh else args.requests // 2
+    want = cells * max(1, per_cell) + 1  # + the warm-up's own
+    prompts = [p.messages([]) for p in load_bench_prompts(["chat", "code"], -(-want // 2), tok, 300)]
+    if len(prompts) < want:
+        raise SystemExit(f"serve_load: error: {want} held-out prompts needed, {len(prompts)} found")
+    warm, prompts = prompts[-1], prompts[:want - 1]
     deadline = time.monotonic() + args.time_limit
     servers = [("url", None)] if args.url else [("selfspec", x) for x in args.server or ([] if args.vllm else
                                                                                          ["--drafter none"])]
@@ -236,9 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc, url = start_server(args.model, extra, log.with_suffix(f".server{i}.log"))
         modes = ["none"] if kind == "vllm" else ["on", "off"] if args.smooth == "both" else [args.smooth]
         try:
-            stream_once(url, args.model, prompts[0], 8, None if kind == "vllm" else False)  # warm-up
-            for c in (int(x) for x in args.concurrency.split(",")):
-                samples, wall = run_cell(url, args.model, prompts, c, args.requests, args.max_tokens, deadline,
+            stream_once(url, args.model, warm, 8, None if kind == "vllm" else False)  # warm-up
+            for cell, c in enumerate(levels):
+                mine = prompts[cell * per_cell:(cell + 1) * per_cell] if args.fresh else prompts
+                samples, wall = run_cell(url, args.model, mine, c, args.requests, args.max_tokens, deadline,
                                          "none" if kind == "vllm" else args.smooth)
                 total = sum(s.tokens for s in samples if s.error is None) / wall
                 for mode in modes:

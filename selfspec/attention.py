@@ -65,11 +65,11 @@ AttentionInterface.register(NAME, selfspec_attention)
 
 
 @contextmanager
-def static_attention(model: torch.nn.Module):
-    """Inside, ``model`` attends with ``selfspec_attention`` if it was set to transformers' "sdpa" (a user's
-    other choice, e.g. "eager", is left alone); restored after. Yields whether it is in place (only then may a
-    mask be narrower than the cache)."""
-    config = model.config
+def static_attention(model):
+    """Inside, ``model`` (a model, or the config its attention layers read) attends with ``selfspec_attention`` if
+    it was set to transformers' "sdpa" (a user's other choice, e.g. "eager", is left alone); restored after. Yields
+    whether it is in place (only then may a mask be narrower than the cache)."""
+    config = getattr(model, "config", model)
     before = getattr(config, "_attn_implementation", None)
     if before != "sdpa":
         yield False

@@ -295,7 +295,7 @@ class EagleDrafter(Drafter):
         mask = torch.where(seen, 0.0, torch.finfo(feats.dtype).min).to(feats.dtype)[:, None]
         cache.write = at
         embeds = self.embed(tokens.to(self.embed.weight.device)).to(device=feats.device, dtype=feats.dtype)
-        with static_attention(self.head.decoder):  # K/V read in place per K/V head, not copied per query head
+        with static_attention(self._layer_config()):  # K/V read in place per K/V head, not copied per query head
             return self.head(feats, embeds, at, cache, mask)
 
     def extra_parameters(self) -> int:
