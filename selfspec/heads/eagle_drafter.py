@@ -82,8 +82,10 @@ class EagleDrafter(Drafter):
         self.lm_weight, self.lm_bias = lm_head_rows(target, head.d2t) if not full else (None, None)
         self.d2t = head.d2t.cpu()
         self.reduced = not full
-        self.in_draft = torch.zeros(max(int(self.d2t.max()) + 1, lm_head(target).out_features), dtype=torch.bool)
-        self.in_draft[self.d2t] = True  # target id -> in the draft vocabulary (a lookup, not an isin per token)
+        in_draft = torch.zeros(max(int(self.d2t.max()) + 1, lm_head(target).out_features), dtype=torch.bool)
+        in_draft[self.d2t] = True  # target id -> in the draft vocabulary: a lookup, not an isin per token and row
+        self.head.register_buffer("in_draft", in_draft, persistent=False)  # an index map beside d2t, not saved
+        self.in_draft = self.head.in_draft
         self.row_cache: OrderedDict[int, tuple] = OrderedDict()  # token id -> its LM-head row (and bias), LRU
         # on a CPU the head's matmuls run on oneDNN-packed weights, as the static target pass runs the target's
         # (memory-neutral: the packed tensors replace the dense ones; the head's state dict stays dense)
