@@ -165,6 +165,23 @@ def summarize(samples: list[Sample], cell_tokens_per_s: float) -> dict:
             "tokens_per_s": statistics.mean([s.tokens_per_s for s in ok]) if ok else 0.0}
 
 
+def prompts_needed(cells: int, requests: int, smooth: str, fresh: bool) -> int:
+    """Distinct prompts a run sends: the warm-up's own, then requests/2 shared by every cell, or (``fresh``) each
+    cell's own, one per request (one per pair with ``smooth`` both, whose pairs send a prompt twice)."""
+    per_cell = max(1, requests // 2 if smooth == "both" or not fresh else requests)
+    return 1 + per_cell * (cells if fresh else 1)
+
+
+def split_prompts(prompts: list, cells: int, fresh: bool) -> tuple[object, list[list]]:
+    """(the warm-up's prompt, each cell's prompts) from ``prompts_needed`` prompts: the warm-up's is never sent
+    again; ``fresh``: no two cells share a prompt, else every cell sends the same ones."""
+    warm, rest = prompts[-1], prompts[:-1]
+    if not fresh:
+        return warm, [rest] * cells
+    per_cell = len(rest) // cells
+    return warm, [rest[i * per_cell:(i + 1) * per_cell] for i in range(cells)]
+
+
 def run_cell(url: str, model: str, prompts: list[list[dict]], concurrency: int, requests: int, max_tokens: int,
              deadline: float, smooth: str = "both") -> tuple[list[Sample], float]:
     """``requests`` streamed requests by ``concurrency`` clients (``smooth`` "both": each prompt twice in a row,
@@ -223,13 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tok = load_tokenizer(args.model)
     levels = [int(x) for x in args.concurrency.split(",")]
-    cells = len(levels) if args.fresh else 1
-    per_cell = (args.requests // 2 if args.smooth == "both" else args.requests) if args.fresh else args.requests // 2
-    want = cells * max(1, per_cell) + 1  # + the warm-up's own
+    want = prompts_needed(len(levels), args.requests, args.smooth, args.fresh)
     prompts = [p.messages([]) for p in load_bench_prompts(["chat", "code"], -(-want // 2), tok, 300)]
     if len(prompts) < want:
         raise SystemExit(f"serve_load: error: {want} held-out prompts needed, {len(prompts)} found")
-    warm, prompts = prompts[-1], prompts[:want - 1]
+    warm, cell_prompts = split_prompts(prompts[:want], len(levels), args.fresh)
     deadline = time.monotonic() + args.time_limit
     servers = [("url", None)] if args.url else [("selfspec", x) for x in args.server or ([] if args.vllm else
                                                                                          ["--drafter none"])]
@@ -249,8 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             stream_once(url, args.model, warm, 8, None if kind == "vllm" else False)  # warm-up
             for cell, c in enumerate(levels):
-                mine = prompts[cell * per_cell:(cell + 1) * per_cell] if args.fresh else prompts
-                samples, wall = run_cell(url, args.model, mine, c, args.requests, args.max_tokens, deadline,
+                samples, wall = run_cell(url, args.model, cell_prompts[cell], c, args.requests, args.max_tokens, deadline,
                                          "none" if kind == "vllm" else args.smooth)
                 total = sum(s.tokens for s in samples if s.error is None) / wall
                 for mode in modes:

@@ -190,3 +190,17 @@ def test_generate_prompts_file_answers_each_line_as_generate_does(tiny_folder: P
     path.write_text('{"text": "no prompt here"}\n')
     line = refused(["generate", "--prompts", str(path), *common], capsys)
     assert "record 1 is neither a string nor an object" in line
+
+
+def test_serve_load_fresh_prompts_are_never_sent_twice():
+    from selfspec_eval.serve_load import prompts_needed, split_prompts
+
+    n = prompts_needed(3, 16, "off", fresh=True)
+    warm, cells = split_prompts(list(range(n)), 3, fresh=True)
+    assert n == 49 and [len(c) for c in cells] == [16, 16, 16]
+    sent = [warm, *(p for c in cells for p in c)]
+    assert len(set(sent)) == len(sent)  # no prompt in two cells, the warm-up's in none
+    assert prompts_needed(3, 16, "both", fresh=True) == 25  # pairs: smoothing on and off see the same prompt
+    n = prompts_needed(3, 16, "off", fresh=False)
+    warm, cells = split_prompts(list(range(n)), 3, fresh=False)
+    assert n == 9 and cells == [list(range(8))] * 3 and warm == 8  # every cell the same 8, each sent twice

@@ -63,6 +63,11 @@ def _append(rows: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
     return more if rows is None else torch.cat([rows, more])
 
 
+def _queued(state: EagleState) -> int:
+    """Pairs queued for the head to feed."""
+    return 0 if state.pending is None else state.pending.shape[0]
+
+
 class EagleDrafter(Drafter):
     """Drafts EAGLE-2 dynamic trees with an :class:`EagleHead` on a frozen target."""
 
@@ -226,7 +231,9 @@ class EagleDrafter(Drafter):
             for state, i in zip(rows, live):  # a long queue (a new request's prompt) is fed on its own, not with every
                 if state.pending is not None and state.pending.shape[0] > CATCH_UP_TOGETHER:  # row padded to it
                     self._catch_up(state, ctxs[i])
-            queued = [0 if state.pending is None else state.pending.shape[0] for state in rows]
+            live.sort(key=lambda i: _queued(states[i]))  # rows by queue length: similar queues are fed together
+            rows = [states[i] for i in live]
+            queued = [_queued(state) for state in rows]
             cache = self._padded_cache(rows, max(queued) + depth)
             self._catch_up_rows(rows, [ctxs[i] for i in live], queued, cache)
             self.catch_up_s = time.perf_counter() - t0
@@ -255,29 +262,39 @@ class EagleDrafter(Drafter):
 
     def _catch_up_rows(self, rows: list[EagleState], ctxs: list[DraftContext], queued: list[int], cache: RowCache
                        ) -> None:
-        """``_catch_up`` for many sequences in one head pass over ``cache`` (rows padded to the most queued pairs;
-        a padding query writes past its row's pairs, where the chain overwrites it before anyone sees it)."""
+        """``_catch_up`` for many sequences (``queued`` ascending) over ``cache``: one head pass per run of rows whose
+        queues are within 2x of each other, each row padded to its run's longest (a padding query writes past its
+        row's pairs, where the chain overwrites it before anyone sees it)."""
         for state, n in zip(rows, queued):
             state.pending = state.pending if n else None  # an empty queue (nothing committed since) is none
+        a = next((j for j, n in enumerate(queued) if n), len(rows))
+        while a < len(rows):
+            b = a + 1
+            while b < len(rows) and queued[b] <= 2 * queued[a]:
+                b += 1
+            self._feed_rows(rows[a:b], ctxs[a:b], queued[a:b], cache, a)
+            a = b
+        cache.rows = slice(0, len(rows))
+
+    def _feed_rows(self, rows: list[EagleState], ctxs: list[DraftContext], queued: list[int], cache: RowCache,
+                   first: int) -> None:
+        """One head pass feeding the queues of ``rows`` (rows ``first..`` of ``cache``), padded to the longest."""
         m = max(queued)
-        if m == 0:
-            return
         some = rows[queued.index(m)].pending
         feats = some.new_zeros(len(rows), m, *some.shape[1:])
         tokens = torch.zeros(len(rows), m, dtype=torch.long)
         for j, (state, ctx, n) in enumerate(zip(rows, ctxs, queued)):
-            if n:
-                feats[j, :n] = state.pending
-                tokens[j, :n] = ctx.tokens[state.cached + 1:state.cached + n + 1]
-                self._add_context(state, ctx.tokens[state.cached:state.cached + n + 1].tolist())
+            feats[j, :n] = state.pending
+            tokens[j, :n] = ctx.tokens[state.cached + 1:state.cached + n + 1]
+            self._add_context(state, ctx.tokens[state.cached:state.cached + n + 1].tolist())
         at = torch.tensor([[state.cached + i for i in range(m)] for state in rows], device=feats.device)
+        cache.rows = slice(first, first + len(rows))
         out = self._run_rows(self._fuse(feats.to(self.dtype)), tokens, at, cache)
         for j, (state, n) in enumerate(zip(rows, queued)):
-            if n:
-                for index, layer in enumerate(cache.layers):
-                    state.cache.update(layer.keys[j:j + 1, :, state.cached:state.cached + n],
-                                       layer.values[j:j + 1, :, state.cached:state.cached + n], index)
-                state.cached, state.pending, state.root_feature = state.cached + n, None, out[j, n - 1]
+            for index, layer in enumerate(cache.layers):
+                state.cache.update(layer.keys[first + j:first + j + 1, :, state.cached:state.cached + n],
+                                   layer.values[first + j:first + j + 1, :, state.cached:state.cached + n], index)
+            state.cached, state.pending, state.root_feature = state.cached + n, None, out[j, n - 1]
 
     def _greedy(self, rows: list[EagleState], feats: torch.Tensor) -> list[int]:
         """Each row's likeliest next token (target ids) from its (H,) feature: the draft vocabulary in one call."""
