@@ -42,6 +42,8 @@ from .eagle import EagleHead
 CATCH_UP_TOGETHER = 16  # a batch feeds queues up to this long in one head pass (each row padded to the longest);
 # a longer one (a prompt, on a request's first draft) is fed alone: padding 16 rows to a 150-token prompt cost a
 # 16-row batch of SmolLM2 ~10 ms a step, more than its drafts won
+FEED_PADDING = 64  # padding pairs a batched feed may add before rows with longer queues get a head pass of their own:
+# a small batch's feed costs about one pass whatever its padding, a pass per run would double it
 CONTEXT_ROWS_CACHED = 4096  # LM-head rows of context tokens kept for reuse (Qwen2.5-1.5B: 12 MB in bf16)
 
 
@@ -262,15 +264,15 @@ class EagleDrafter(Drafter):
 
     def _catch_up_rows(self, rows: list[EagleState], ctxs: list[DraftContext], queued: list[int], cache: RowCache
                        ) -> None:
-        """``_catch_up`` for many sequences (``queued`` ascending) over ``cache``: one head pass per run of rows whose
-        queues are within 2x of each other, each row padded to its run's longest (a padding query writes past its
-        row's pairs, where the chain overwrites it before anyone sees it)."""
+        """``_catch_up`` for many sequences (``queued`` ascending) over ``cache``: one head pass per run of rows, each
+        row padded to its run's longest queue (a padding query writes past its row's pairs, where the chain
+        overwrites it before anyone sees it); a run ends where padding would add more than ``FEED_PADDING`` pairs."""
         for state, n in zip(rows, queued):
             state.pending = state.pending if n else None  # an empty queue (nothing committed since) is none
         a = next((j for j, n in enumerate(queued) if n), len(rows))
         while a < len(rows):
             b = a + 1
-            while b < len(rows) and queued[b] <= 2 * queued[a]:
+            while b < len(rows) and (b + 1 - a) * queued[b] - sum(queued[a:b + 1]) <= FEED_PADDING:
                 b += 1
             self._feed_rows(rows[a:b], ctxs[a:b], queued[a:b], cache, a)
             a = b
