@@ -67,8 +67,8 @@ class Drafter:
     # -1 the final normed layer); the engine keeps only these, in this order
     state_layers: tuple[int, ...] = (-1,)
     drafts_batches: bool = False  # ``propose_chains`` drafts many sequences' chains at once (a batch's step)
-    # seconds the last ``propose_chains`` spent feeding queues too long to feed with the other rows (a new request's
-    # prompt): a one-off, not what drafting to a depth costs from step to step
+    # seconds the last ``propose_chains`` spent feeding what was queued before drafting (a prompt, the pairs committed
+    # while the batch did not draft): a one-off, not what drafting to a depth costs from step to step
     catch_up_s: float = 0.0
 
     def start(self, ctx: DraftContext) -> Any:

@@ -233,12 +233,12 @@ class EagleDrafter(Drafter):
             for state, i in zip(rows, live):  # a long queue (a new request's prompt) is fed on its own, not with every
                 if state.pending is not None and state.pending.shape[0] > CATCH_UP_TOGETHER:  # row padded to it
                     self._catch_up(state, ctxs[i])
-            self.catch_up_s = time.perf_counter() - t0  # one-off: a prompt, or a long stretch without drafts
             live.sort(key=lambda i: _queued(states[i]))  # rows by queue length: similar queues are fed together
             rows = [states[i] for i in live]
             queued = [_queued(state) for state in rows]
             cache = self._padded_cache(rows, max(queued) + depth)
             self._catch_up_rows(rows, [ctxs[i] for i in live], queued, cache)
+            self.catch_up_s = time.perf_counter() - t0
             feats = torch.stack([state.root_feature for state in rows])
             for d in range(depth):
                 tokens = self._greedy(rows, feats)
