@@ -264,8 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             stream_once(url, args.model, warm, 8, None if kind == "vllm" else False)  # warm-up
             for cell, c in enumerate(levels):
-                samples, wall = run_cell(url, args.model, cell_prompts[cell], c, args.requests, args.max_tokens, deadline,
-                                         "none" if kind == "vllm" else args.smooth)
+                samples, wall = run_cell(url, args.model, cell_prompts[cell], c, args.requests, args.max_tokens,
+                                         deadline, "none" if kind == "vllm" else args.smooth)
                 total = sum(s.tokens for s in samples if s.error is None) / wall
                 for mode in modes:
                     mine = [s for s in samples if {"on": s.smooth is True, "off": s.smooth is False,

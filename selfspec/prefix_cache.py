@@ -75,7 +75,8 @@ class PrefixCache:
         if prompt.numel() < MIN_REUSE or entry.nbytes > self.max_bytes:
             return
         for key in [k for k, e in self.entries.items() if e.tokens.numel() <= prompt.numel()
-                    and common_prefix(e.tokens, entry.tokens) == e.tokens.numel() and e.hidden.keys() <= entry.hidden.keys()]:
+                    and common_prefix(e.tokens, entry.tokens) == e.tokens.numel()
+                    and e.hidden.keys() <= entry.hidden.keys()]:
             self._drop(key)
         if any(common_prefix(e.tokens, entry.tokens) == prompt.numel() and entry.hidden.keys() <= e.hidden.keys()
                for e in self.entries.values()):

@@ -4,8 +4,9 @@ The exact pass needs every row's attention computed as a one-token plain step co
 attention kernel that takes one call per key width, a copy of the keys for every tree path but the first, and
 query blocks padded for the kernel's thread buffers (``selfspec/exact.py``). This kernel
 (``selfspec/csrc/row_attention.cpp``) is written so that no row's arithmetic depends on the call: a row's keys are
-a prefix of its cache row (the cache) then a list of slots (its ancestors and itself), every score (16 keys at a time, a key's lane its index mod 16), weight and sum
-runs in key order with the same vector code, and the work is split by rows, never within one. A plain step
+a prefix of its cache row (the cache) then a list of slots (its ancestors and itself), every score (16 keys at a
+time, a key's lane its index mod 16), weight and sum runs in key order with the same vector code, and the work is
+split by rows, never within one. A plain step
 (prefix = its position, then itself) and any tree, chain or batch row at that position therefore give the same
 bits, and a pass makes one call per layer: no widths, no gathers, no padding.
 
