@@ -219,10 +219,11 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def propose_chains(self, states: list[EagleState], ctxs: list[DraftContext], depths: list[int]
                        ) -> list[DraftTree]:
-        """Greedy chains of ``depths[i]`` tokens for several sequences at once (a batch's step): one head pass feeds
-        every sequence's queued pairs, then each depth is one head pass over all of them, each sequence attending
-        over its own pairs (copied, with room for the new ones, into one padded cache for this draft; the new
-        committed pairs are appended to each sequence's own cache, the drafted ones are not)."""
+        """Greedy chains of ``depths[i]`` tokens for several sequences at once (a batch's step): a queue longer than
+        ``CATCH_UP_TOGETHER`` pairs (a new request's prompt) is fed on its own, the others together
+        (``_catch_up_rows``), then each depth is one head pass over all of them, each sequence attending over its own
+        pairs (copied, with room for the new ones, into one padded cache for this draft; the new committed pairs are
+        appended to each sequence's own cache, the drafted ones are not)."""
         live = [i for i, state in enumerate(states)
                 if depths[i] > 0 and (state.root_feature is not None or state.pending is not None)]
         drafts: list[list[int]] = [[] for _ in states]
