@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 PREFILL_ROWS = 256  # a prompt's tokens cached per forward at most, where the self-test allows (plain steps' bits)
 PREFILL_STEP = 8  # a prompt's forward is padded to a multiple of this many rows (each such count self-tested)
+PREFILL_SIZES = (*(1 << i for i in range(PREFILL_STEP.bit_length() - 1)),  # the row counts a prompt's forward may
+                 *range(PREFILL_STEP, PREFILL_ROWS + 1, PREFILL_STEP))  # have: powers of two, then multiples of 8
 WIDTH_STEP = 32  # key widths are rounded up to this: fewer distinct widths (calls) per pass, <= 31 masked keys
 
 
@@ -446,21 +448,15 @@ def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
                         chunked=chunked, padded=padded)
 
 
-def prefill_sizes() -> tuple[int, ...]:
-    """The row counts a prompt's forward may have: powers of two below ``PREFILL_STEP``, then its multiples."""
-    return (*(1 << i for i in range(PREFILL_STEP.bit_length() - 1)),
-            *range(PREFILL_STEP, PREFILL_ROWS + 1, PREFILL_STEP))
-
-
 def prefill_rows(model: nn.Module) -> tuple[int, int]:
     """(least, most): every linear of the decoder (not the LM head: a prompt needs no logits) gives each row the same
-    bits in forwards of any of ``prefill_sizes`` from ``least`` to ``most`` rows (most 0: no such range), each size
+    bits in forwards of any of ``PREFILL_SIZES`` from ``least`` to ``most`` rows (most 0: no such range), each size
     checked. Forwards of those sizes cache every prompt token with bits that depend on the tokens before it alone."""
     param = next(p for p in model.parameters() if p.is_floating_point())
     least, most = 1, PREFILL_ROWS
     for module in model.get_decoder().modules():
         if hasattr(module, "in_features") and hasattr(module, "out_features"):
-            module_least, module_most = row_range(module, module.in_features, prefill_sizes(), param.device,
+            module_least, module_most = row_range(module, module.in_features, PREFILL_SIZES, param.device,
                                                   param.dtype)
             least, most = max(least, module_least), min(most, module_most)
     return least, most if most >= least else 0
@@ -468,12 +464,12 @@ def prefill_rows(model: nn.Module) -> tuple[int, int]:
 
 def prefill_parts(n: int, most: int, least: int) -> list[tuple[int, int]]:
     """A prompt chunk of ``n`` tokens as forwards of (tokens, rows): ``most`` tokens while more are left, then the
-    rest padded to a row count of ``prefill_sizes`` (at least ``least``): every forward's row count is one the
+    rest padded to a row count of ``PREFILL_SIZES`` (at least ``least``): every forward's row count is one the
     self-test checked, so every token gets its plain step's bits however the prompt is chunked."""
     parts = []
     while n > 0:
         c = min(n, most)
-        parts.append((c, next(size for size in prefill_sizes() if size >= max(c, least))))
+        parts.append((c, next(size for size in PREFILL_SIZES if size >= max(c, least))))
         n -= c
     return parts
 

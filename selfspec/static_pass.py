@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers import StaticCache
@@ -196,42 +198,36 @@ class StaticPass:
         Where the exact pass attends through the row kernel (``exact_prefill``), every token is computed as its plain
         step would compute it, in forwards of row counts the self-test checked: a prompt's cache then has the same
         bits however it is chunked, and a cached prefix can be reused exactly (``selfspec/prefix_cache.py``)."""
-        if not self.exact_prefill:
-            return self._prefill_rows(handle, ids, start, ids.numel(), layers, None)
+        exact, n = self.exact_prefill, ids.numel()
+        parts = prefill_parts(n, self.prefill_rows[1], self.prefill_rows[0]) if exact else [(n, n)]
         states, done = [], 0
-        least, most = self.prefill_rows
-        for c, rows in prefill_parts(ids.numel(), most, least):
+        for c, rows in parts:
             part = torch.zeros(rows, dtype=torch.long)
             part[:c] = ids[done:done + c]
             plan = plan_pass(list(range(-1, c - 1)), list(range(c)), start + done, self.max_len, self.dtype,
-                             self.device)
-            with row_chunks(self.support):
-                states.append(self._prefill_rows(handle, part, start + done, c, layers, plan))
+                             self.device) if exact else None
+            with row_chunks(self.support) if exact else nullcontext():
+                states.append(self._prompt_forward(handle, part, start + done, c, layers, plan))
             done += c
         self._prefilled(handle, start + done)
-        return tuple(torch.cat(parts) for parts in zip(*states)) if layers else ()
+        return tuple(torch.cat(pieces) for pieces in zip(*states)) if layers else ()
 
-    @property
+    @cached_property
     def exact_prefill(self) -> bool:
         """Whether every prompt token is cached with bits that depend on the tokens before it alone (exact asked for,
         the row attention kernel used, the decoder's linears self-tested for the prompt forwards' row counts): then
         as a plain step computes it where the pass is exact, and a cached prefix is reusable exactly in any case
         (an inexact LM head does not matter: prompts need no logits)."""
-        if "exact_prefill" not in self.__dict__:
-            self.__dict__["exact_prefill"] = bool(
-                self.exact_requested and getattr(self.model.config, "_attn_implementation", None) == "sdpa"
-                and row_attention.used(self.device, self.dtype, attention_layout(self.model.config)[1:])
-                and self.prefill_rows[1])
-        return self.__dict__["exact_prefill"]
+        return bool(self.exact_requested and getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+                    and row_attention.used(self.device, self.dtype, attention_layout(self.model.config)[1:])
+                    and self.prefill_rows[1])
 
-    @property
+    @cached_property
     def prefill_rows(self) -> tuple[int, int]:
         """(least, most) rows of a prompt's forward (``exact.prefill_rows``), self-tested at first use."""
-        if "prefill_rows" not in self.__dict__:
-            self.__dict__["prefill_rows"] = prefill_rows(self.model)
-        return self.__dict__["prefill_rows"]
+        return prefill_rows(self.model)
 
-    def _prefill_rows(self, handle, ids: torch.Tensor, start: int, real: int, layers: tuple[int, ...],
+    def _prompt_forward(self, handle, ids: torch.Tensor, start: int, real: int, layers: tuple[int, ...],
                       plan: ExactPlan | None) -> tuple[torch.Tensor, ...]:
         """One forward caching ``ids`` at slots ``start..`` (the first ``real`` of them tokens, the rest padding);
         under ``plan`` as the exact pass attends, else under a causal mask."""
@@ -248,8 +244,6 @@ class StaticPass:
             out = self.decoder(input_ids=ids.to(self.device)[None], position_ids=positions, attention_mask=mask,
                                use_cache=True, output_hidden_states=any(i != -1 for i in layers),
                                **{self.kwarg: self.cache}, **extra)
-        if plan is None:
-            self._prefilled(handle, start + c)
         return tuple((out.last_hidden_state if i == -1 else out.hidden_states[i])[0, :real] for i in layers)
 
     def _place(self, handle, start: int, n: int) -> None:
