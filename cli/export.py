@@ -1,6 +1,7 @@
 """selfspec export HEADS OUT --format vllm|sglang|speculators: eagle3 heads as the EAGLE-3 drafter a serving
-engine loads (config.json + model.safetensors; only the base model's config is read), or medusa heads as vLLM's
-Medusa drafter (the base model's LM head is copied in: vLLM's Medusa checkpoints carry it).
+engine loads (config.json + model.safetensors; only the base model's config is read), eagle heads trained in EAGLE-1's
+layout (``--head-arg norms=false``) as vLLM's EAGLE-1 drafter (method ``eagle``), or medusa heads as vLLM's Medusa
+drafter (the base model's LM head is copied in: vLLM's Medusa checkpoints carry it).
 
     selfspec export runs/smollm2-eagle3/heads exported/smollm2-eagle3 --format vllm
     vllm serve smollm2-135m-instruct-folder --speculative-config \\
@@ -17,14 +18,14 @@ import argparse
 from selfspec.dtypes import DTYPES
 from selfspec.options import heads_folder, positive_int
 
-HELP = "write eagle3 heads in the layout vLLM, SGLang or speculators load (medusa heads: vLLM's)"
+HELP = "write eagle3 heads in the layout vLLM, SGLang or speculators load (EAGLE-1-layout eagle and medusa heads: vLLM's)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The heads folder, the output folder, the format and what the config needs."""
     from selfspec.checkpoint.serving import FORMATS
 
-    p.add_argument("folder", type=heads_folder, help="a selfspec heads folder (eagle3, or medusa for vllm)")
+    p.add_argument("folder", type=heads_folder, help="a selfspec heads folder (eagle3; for vllm also medusa, or eagle with norms=false)")
     p.add_argument("out", help="the folder to write (config.json, model.safetensors)")
     p.add_argument("--format", choices=FORMATS, default="vllm")
     p.add_argument("--base", default=None, help="the base model (default: the one the heads folder names)")

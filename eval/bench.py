@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{', '.join(BASE_METHODS)}, eagle, medusa, early-exit, {', '.join(VLLM_METHODS)} (after "
                    "`make vllm-env`)); a head method with "
                    "'+lookup' (e.g. eagle+lookup) drafts by prompt lookup first where the context repeats itself; "
-                   "'vllm+' and an eagle3 head method (e.g. vllm+eagle3) runs vLLM with those heads exported")
+                   "'vllm+' and an eagle3 (or EAGLE-1-layout eagle) head method (e.g. vllm+eagle3) runs vLLM with "
+                   "those heads exported")
     p.add_argument("--vllm-spec-tokens", type=positive_int, default=3,
                    help="chain length vLLM drafts with exported heads (vllm+<heads>; vLLM drafts no trees)")
     p.add_argument("--prompts", default="code,chat",

@@ -9,8 +9,8 @@
     <head>+lookup  the same heads, with prompt lookup first where the context repeats itself
     vllm           vLLM in its own environment and process (``vllm_client.py``)
     vllm-ngram     vLLM with its n-gram (prompt lookup) speculative decoding
-    vllm+<heads>   vLLM drafting with a model's eagle3 heads, exported to vLLM's EAGLE-3 layout (chains of
-                   --vllm-spec-tokens; vLLM drafts no trees)
+    vllm+<heads>   vLLM drafting with a model's eagle3 heads exported to vLLM's EAGLE-3 layout, or eagle heads
+                   in EAGLE-1's layout to vLLM's EAGLE-1 (chains of --vllm-spec-tokens; vLLM drafts no trees)
 """
 
 from __future__ import annotations

@@ -32,8 +32,9 @@ work row by row. So the exact pass fixes how each query row attends:
               matrix-vector product) with other bits than 2 to 64 rows (every linear of Qwen2.5-Coder-1.5B, only
               the MLP's down projection of SmolLM2-135M); such a packed linear runs a lone row beside a zero row
               (``padded``), and where every linear needs it the pass itself runs on two rows (its root and a
-              padding row); a packed linear row-variant above some size runs in chunks of that size; a dense one
-              row-variant anywhere makes the pass inexact (said once)
+              padding row); a linear row-variant above some size (on an AMX CPU, SmolLM2's tied LM head above 32
+              rows in bf16) runs in chunks of that size, packed or dense; a dense one row-variant below the
+              pass's least rows makes the pass inexact (said once)
 
 The self-test runs a few matmuls of the model's own shapes at start-up, cached per device, dtype and shape
 (``check_exact``): an assumption that holds on this CPU need not hold on another, or on a GPU.
@@ -412,7 +413,7 @@ class ExactSupport:
     least: int = 1  # rows a pass runs on at least (a plain step's root and a padding row when 2)
     batched: bool = True  # rows of equal width share an attention call
     reason: str = ""  # why not exact
-    chunked: dict[nn.Module, int] = field(default_factory=dict)  # packed linears run on at most that many rows
+    chunked: dict[nn.Module, int] = field(default_factory=dict)  # linears run on at most that many rows
     padded: dict[nn.Module, int] = field(default_factory=dict)  # packed linears run on at least that many rows
 
 
@@ -437,7 +438,7 @@ def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
     least = max(dense, default=1) if min(least for least, _ in found.values()) < 2 else 2
     chunked, padded = {}, {}
     for (name, module), (module_least, most) in found.items():
-        if most < buckets[-1] and not isinstance(module, PackedLinear):
+        if most < max(least, module_least):
             return ExactSupport(False, reason=f"{name} ({module.in_features} -> {module.out_features}) gives a row "
                                               f"other bits in a pass of more than {most} rows")
         if most < buckets[-1]:
@@ -474,18 +475,36 @@ def prefill_parts(n: int, most: int, least: int) -> list[tuple[int, int]]:
     return parts
 
 
+def chunked_linear(module: nn.Linear, rows: int, x: torch.Tensor) -> torch.Tensor:
+    """A dense linear over ``x``'s rows, at most ``rows`` rows per matmul."""
+    flat = x.reshape(-1, module.in_features)
+    out = torch.cat([nn.functional.linear(part, module.weight, module.bias) for part in flat.split(rows)])
+    return out.view(*x.shape[:-1], module.out_features)
+
+
 @contextmanager
 def row_chunks(support: ExactSupport):
-    """Inside, the packed linears the self-test found row-variant in large passes run in chunks that keep each row's
-    bits, and those that compute fewer rows than the pass's least with other bits run padded."""
+    """Inside, the linears the self-test found row-variant in large passes run in chunks that keep each row's bits
+    (a dense one through ``chunked_linear``, set as its instance's forward), and the packed ones that compute fewer
+    rows than the pass's least with other bits run padded."""
+    from functools import partial
+
+    from .packed_linear import PackedLinear
+
     for module, rows in support.chunked.items():
-        module.max_rows = rows
+        if isinstance(module, PackedLinear):
+            module.max_rows = rows
+        else:
+            module.forward = partial(chunked_linear, module, rows)
     for module, rows in support.padded.items():
         module.min_rows = rows
     try:
         yield
     finally:
         for module in support.chunked:
-            module.max_rows = 0
+            if isinstance(module, PackedLinear):
+                module.max_rows = 0
+            else:
+                del module.forward  # the class's own again
         for module in support.padded:
             module.min_rows = 1

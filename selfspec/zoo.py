@@ -154,6 +154,17 @@ def _convert(name: str, gguf: Path, dest: Path) -> None:
     tokenizer.save_pretrained(dest)
 
 
+def _running(pid: str) -> bool:
+    """Whether process ``pid`` (a conversion folder's suffix) still runs on this machine."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def fetch(name: str) -> Path:
     """Make sure zoo model ``name`` exists as a converted safetensors folder and return that folder."""
     entry = zoo_entry(name)
@@ -162,8 +173,9 @@ def fetch(name: str) -> Path:
         return dest
     models_dir = dest.parent
     models_dir.mkdir(parents=True, exist_ok=True)
-    for stale in models_dir.glob(f".{entry.name}.tmp-*"):  # left by a killed conversion
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in models_dir.glob(f".{entry.name}.tmp-*"):  # left by a killed conversion, not a running one
+        if not _running(stale.name.rsplit("-", 1)[-1]):
+            shutil.rmtree(stale, ignore_errors=True)
     if dest.exists():  # a folder without the marker is not trusted
         shutil.rmtree(dest)
     start = time.perf_counter()
@@ -176,6 +188,8 @@ def fetch(name: str) -> Path:
         os.replace(tmp, dest)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_cached(name):  # another process converted it at the same time and renamed first
+            return dest
         if is_disk_full(exc):
             raise disk_full_error(models_dir) from exc
         raise

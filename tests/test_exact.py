@@ -140,10 +140,22 @@ def test_the_self_test_detects_a_row_variant_linear(monkeypatch) -> None:
     for above, found in ((64, (1, 64)), (8, (1, 8)), (16, (1, 16))):
         monkeypatch.setattr(exact, "_ROWS", {})  # results are cached per shape: these modules share one
         assert exact.row_range(RowVariant(above), 64, buckets, cpu, torch.bfloat16) == found
+
+
+def test_a_dense_linear_row_variant_in_large_passes_runs_in_chunks(monkeypatch) -> None:
+    """As SmolLM2's tied (so unpacked) LM head above 32 rows on an AMX CPU: the pass stays exact, that linear runs
+    on at most 16 rows per matmul inside the exact pass, and as itself again after."""
+    monkeypatch.setattr(exact, "_ROWS", {})
     model = bf16_model(0, "llama")
-    model.model.layers[1].mlp.down_proj = RowVariant(16, 128, 64)  # dense (unpacked): no chunks, so no exact pass
+    down = model.model.layers[1].mlp.down_proj = RowVariant(16, 128, 64)  # dense (unpacked)
     target = make_target_pass(model, "static", pack=False)
-    assert not target.exact and "down_proj" in target.support.reason and "16 rows" in target.support.reason
+    assert target.exact and target.support.chunked == {down: 16}
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    small = torch.cat([down(part) for part in x.split(16)])  # the bits of passes of up to 16 rows
+    assert not torch.equal(down(x), small)  # the negative control: one large matmul rounds otherwise
+    with exact.row_chunks(target.support):
+        assert torch.equal(down(x), small)
+    assert "forward" not in vars(down) and not torch.equal(down(x), small)
 
 
 class LoneRowVariant(PackedLinear):

@@ -1,6 +1,7 @@
 """Exporting heads to the layouts serving engines load: eagle3 names, shapes, dtypes, d2t, the fused layer ids per
-engine (tiny models of several depths); medusa heads in vLLM's Medusa layout; a clear refusal for families (and
-family/format pairs) that have no place there."""
+engine (tiny models of several depths); EAGLE-1-layout eagle heads and medusa heads in vLLM's layouts, each computing
+from the exported tensors what selfspec's heads compute; a clear refusal for families (and family/format pairs)
+that have no place there."""
 
 from __future__ import annotations
 
@@ -93,6 +94,41 @@ def test_medusa_export_is_vllms_medusa_layout(tmp_path: Path, num_layers: int) -
     assert vllm_speculative_config(out, 5) == {"method": "medusa", "model": str(out), "num_speculative_tokens": 3}
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eagle1_export_computes_what_the_head_computes(tmp_path: Path, arch: str) -> None:
+    """vLLM's EagleLlamaForCausalLM on the exported tensors: fc over [embedding; feature], the Llama layer without
+    its input norm (q/k/v biases where ``qkv_bias``, as Qwen2's), no final norm. Rebuilt here with transformers'
+    own layer classes (Qwen2's where the config asks for q/k/v biases only: the layer vLLM's Llama class makes
+    then), fed the same pairs as the head."""
+    from transformers import AutoModel, LlamaConfig, Qwen2Config
+
+    model = tiny_model(0, layers=3, arch=arch)
+    model.save_pretrained(tmp_path / "base")
+    heads = perturb(init_heads("eagle", model, norms=False, draft_vocab_size=40), 1, 0.1)
+    assert not any("norm" in k and "post_attention" not in k for k in heads.state_dict())
+    save_heads(heads, model, tmp_path / "heads", base_name=str(tmp_path / "base"))
+    out = export_for_serving(tmp_path / "heads", tmp_path / "out", "vllm", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    assert config["qkv_bias"] is (arch == "qwen2") and config["attention_bias"] is False
+    assert config["vocab_size"] == 64 and "d2t" not in tensors
+    assert vllm_speculative_config(out, 4) == {"method": "eagle", "model": str(out), "num_speculative_tokens": 4}
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    layer_class = Qwen2Config if config["qkv_bias"] else LlamaConfig
+    engine = AutoModel.from_config(layer_class(**fields, attn_implementation="eager"))
+    engine.layers[0].input_layernorm, engine.norm = torch.nn.Identity(), torch.nn.Identity()
+    layer = {k.removeprefix("layers.0."): v for k, v in tensors.items() if k.startswith("layers.0.")}
+    engine.layers[0].load_state_dict(layer)  # strict: every tensor of the layer, nothing else
+    f, tokens = torch.randn(1, 6, 32), torch.randint(0, 64, (1, 6))
+    embeds = model.get_input_embeddings()(tokens)
+    pos = torch.arange(6)[None]
+    x = torch.cat([embeds, f], dim=-1) @ tensors["fc.weight"].T
+    got = engine(inputs_embeds=x, position_ids=pos).last_hidden_state
+    heads.decoder.config._attn_implementation = "eager"
+    torch.testing.assert_close(got, heads(f, embeds, pos), rtol=0, atol=1e-5)
+
+
 def test_eagle3_speculative_config(tmp_path: Path) -> None:
     folder, _, _ = saved(tmp_path, "eagle3", 4)
     out = export_for_serving(folder, tmp_path / "out", "vllm")
@@ -103,9 +139,17 @@ def test_eagle3_speculative_config(tmp_path: Path) -> None:
                                              ("medusa", "speculators")])
 def test_families_without_a_layout_are_refused(tmp_path: Path, family: str, fmt: str) -> None:
     folder, _, _ = saved(tmp_path, family, 4, **({"exit_layer": 1} if family == "early-exit" else {}))
-    with pytest.raises(SelfspecError, match=f"{family} heads cannot be exported to {fmt}"):
+    with pytest.raises(SelfspecError, match=f"{family} heads cannot be exported to {fmt}") as refused:
         export_for_serving(folder, tmp_path / "out", fmt)
     assert not (tmp_path / "out").exists()
+    if family == "eagle":
+        assert "norms=false" in str(refused.value)
+
+
+def test_eagle1_layout_goes_to_vllm_only(tmp_path: Path) -> None:
+    folder, _, _ = saved(tmp_path, "eagle", 4, norms=False)
+    with pytest.raises(SelfspecError, match="eagle heads cannot be exported to sglang: sglang takes EAGLE-3"):
+        export_for_serving(folder, tmp_path / "out", "sglang")
 
 
 def test_a_tensor_out_of_place_is_caught(tmp_path: Path) -> None:

@@ -37,6 +37,17 @@ def test_greedy_heads_match_hf(family: str, arch: str, seed: int, perturbed: boo
     assert got.tokens == hf_greedy(model, prompt, 24)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eagle1_layout_is_lossless(arch: str) -> None:
+    """EAGLE-1's layout (no input norms, no norm before the layer's attention, no final norm: what vLLM loads)."""
+    model = tiny_model(5, layers=3, arch=arch)
+    heads = perturb(init_heads("eagle", model, norms=False, **HYPER["eagle"]), 5)
+    assert sorted(k for k in heads.state_dict() if "norm" in k) == ["decoder.layers.0.post_attention_layernorm.weight"]
+    cfg = DecodeConfig(max_new_tokens=24, max_depth=5, max_nodes=12, adaptive=False)
+    got = SpeculativeEngine(model, make_drafter(heads, model)).generate(prompt_for(5), cfg)
+    assert got.tokens == hf_greedy(model, prompt_for(5), 24)
+
+
 @pytest.mark.parametrize("family", list(HYPER))
 def test_one_token_prompt(family: str) -> None:
     model = tiny_model(4, layers=3)

@@ -429,6 +429,29 @@ def test_a_warm_started_run_takes_the_sources_vocabulary_and_records_what_it_cop
     assert "lm_head.weight" in report["missing"]
 
 
+def test_eagle1_layout_trains_from_normed_eagle_heads_and_exports_for_vllm(chat_file: Path, tmp_path: Path) -> None:
+    """--head-arg norms=false warm-started from eagle heads with their norms: fc and the layer's attention, MLP and
+    post-attention norm are copied, the norms have nowhere to go; the trained heads reload and export."""
+    from selfspec.checkpoint.serving import export_for_serving
+
+    model, tok = tiny_model(0, vocab=VOCAB, layers=2), make_tokenizer()
+    model.save_pretrained(tmp_path / "base")
+    normed = train(_cfg("eagle", chat_file, tmp_path / "normed", head_args={"draft_vocab_size": 60}, max_steps=2),
+                   model, tok)
+    folder = train(_cfg("eagle", chat_file, tmp_path / "eagle1", head_args={"draft_vocab_size": 60, "norms": False},
+                        warm_start=str(normed), max_steps=2), model, tok)
+    report = json.loads((tmp_path / "eagle1" / "train_config.json").read_text())["warm_start_report"]
+    assert sorted(report["loaded"]) == sorted(
+        ["fc.weight"] + [f"decoder.layers.0.{n}.weight" for n in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm")])
+    assert report["reshaped"] == report["missing"] == []
+    heads, _ = load_heads(model, folder, tokenizer=tok)
+    assert heads.config.norms is False and not hasattr(heads.feature_norm, "weight")
+    out = export_for_serving(folder, tmp_path / "vllm", "vllm", base=str(tmp_path / "base"))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_a_warm_start_folder_that_holds_no_heads_is_one_line_before_the_model_loads(chat_file: Path,
                                                                                     tmp_path: Path) -> None:
     with pytest.raises(SelfspecError) as refused:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 
@@ -53,6 +54,31 @@ def test_stale_conversion_folder_is_not_trusted(tmp_path: Path, monkeypatch) -> 
     half.mkdir(parents=True)
     (half / "config.json").write_text("{}")  # as a killed conversion without the rename would leave
     assert not zoo.is_cached("smollm2-135m-instruct")
+
+
+def test_two_processes_converting_at_once_both_get_the_model(tmp_path: Path, monkeypatch) -> None:
+    """A second process that finds another's conversion under way leaves it alone, and whichever renames its
+    folder last takes the first one's result instead of failing (a server and a script started together)."""
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    name = "smollm2-135m-instruct"
+    models = zoo.model_folder(name).parent
+    models.mkdir(parents=True)
+    other = models / f".{name}.tmp-{os.getppid()}"  # a conversion by a live process
+    other.mkdir()
+    dead = models / f".{name}.tmp-999999999"  # one left by a killed process
+    dead.mkdir()
+
+    def convert(_name, _gguf, tmp: Path) -> None:
+        assert other.exists() and not dead.exists()
+        zoo.model_folder(name).mkdir()  # meanwhile the other process finished first
+        (zoo.model_folder(name) / zoo.DONE_MARKER).write_text("{}")
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{}")
+
+    monkeypatch.setattr(zoo, "assemble_gguf", lambda _name: tmp_path / "model.gguf")
+    monkeypatch.setattr(zoo, "_convert", convert)
+    assert zoo.fetch(name) == zoo.model_folder(name)
+    assert sorted(p.name for p in models.iterdir()) == sorted([other.name, name])
 
 
 @pytest.mark.integration

@@ -18,12 +18,18 @@ leave missing ones uninitialised without an error, so the check has to be here).
                  ``norm_before_residual: false`` written out (the format's default is true), the verifier
                  and a greedy proposal of ``num_speculative_tokens``; ``vllm serve OUT`` alone serves it
 
+``eagle`` heads built with ``norms=False`` (EAGLE-1's layout) go to vLLM only, as its ``EagleLlamaForCausalLM``
+(method ``eagle``): a one-layer Llama config (``qkv_bias`` where the layer's q/k/v carry biases, as Qwen2's do),
+``fc.weight`` with its two input halves swapped (vLLM concatenates [embedding; feature], selfspec [feature;
+embedding]) and the layer as ``layers.0.*``; the embedding and LM head are the target's, shared, and vLLM drafts
+over the whole vocabulary (``d2t`` stays behind).
+
 ``medusa`` heads go to vLLM only (SGLang and speculators have no Medusa drafter): ``model_type: medusa``,
 ``blocks.{i}.layers.{j}.{weight,bias}`` (``medusa_fc_bias: true``), and the target's own LM head once as
 ``lm_heads.0.weight`` with ``original_lm_head: true`` (vLLM shares it among the heads, as selfspec does); vLLM
 drafts a chain of each head's top-1 token, fed the target's final (normed) hidden state, as selfspec's heads
-were trained. Other families refuse with one line: the ``eagle`` family's input norms (``feature_norm``,
-``embed_norm``) and its own decoder layer's norms have no place in these layouts.
+were trained. Other families refuse with one line, as do ``eagle`` heads with their input norms (``feature_norm``,
+``embed_norm``) and the layer's own norms, which have no place in these layouts.
 """
 
 from __future__ import annotations
@@ -62,15 +68,39 @@ def expected_tensors(layer: dict[str, Any], vocab_size: int, num_aux: int = 3) -
     }
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
+                  what: str = "an EAGLE-3 drafter") -> None:
     """One error naming every missing, unexpected or misshapen tensor."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     shapes = [f"{k} {tuple(tensors[k].shape)} != {expected[k]}" for k in sorted(set(tensors) & set(expected))
               if tuple(tensors[k].shape) != expected[k]]
     if missing or unexpected or shapes:
-        raise SelfspecError(f"these tensors do not form an EAGLE-3 drafter: missing {missing}, unexpected "
+        raise SelfspecError(f"these tensors do not form {what}: missing {missing}, unexpected "
                             f"{unexpected}, shapes {shapes}")
+
+
+def _base_name(meta: dict[str, Any], base: str | None) -> str:
+    """The base model the heads were trained on: ``base`` if given, else the name the heads folder records."""
+    name = base or meta["base"].get("name_or_path")
+    if not name:
+        raise SelfspecError("the heads folder does not name its base model: pass base= (a zoo name, folder or hub id)")
+    return name
+
+
+LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
+                "mlp_bias")
+
+
+def _llama_fields(layer: dict[str, Any], *extra: str) -> dict[str, Any]:
+    """The one-layer Llama config's fields an engine reads (and ``extra`` ones), the rotary base also flat: older
+    readers (SGLang, transformers < 5) look for ``rope_theta``."""
+    core = {k: layer[k] for k in LLAMA_FIELDS + extra if layer.get(k) is not None}
+    rope = core.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        core["rope_theta"] = rope["rope_theta"]
+    return core
 
 
 def _layer_dict(meta: dict[str, Any], base: str | None) -> tuple[dict[str, Any], int, str]:
@@ -79,9 +109,7 @@ def _layer_dict(meta: dict[str, Any], base: str | None) -> tuple[dict[str, Any],
     from ..heads.eagle3 import layer_config
     from ..zoo import load_config, resolve
 
-    name = base or meta["base"].get("name_or_path")
-    if not name:
-        raise SelfspecError("the heads folder does not name its base model: pass base= (a zoo name, folder or hub id)")
+    name = _base_name(meta, base)
     target_config = load_config(name)
     name = resolve(name)  # a zoo name becomes its local folder: what an engine can load
     config = config_from_dict("eagle3", meta["config"])
@@ -93,13 +121,7 @@ def _layer_dict(meta: dict[str, Any], base: str | None) -> tuple[dict[str, Any],
 
 def _engine_config(layer: dict[str, Any], aux: list[int], vocab: int, fmt: str, base: str, tokens: int,
                    dtype: torch.dtype) -> dict[str, Any]:
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "max_position_embeddings", "rope_parameters", "hidden_act", "attention_bias",
-            "mlp_bias", "draft_vocab_size")
-    core = {k: layer[k] for k in keep if layer.get(k) is not None}
-    rope = core.get("rope_parameters") or {}
-    if "rope_theta" in rope:  # older readers (SGLang, transformers < 5) look for the flat key
-        core["rope_theta"] = rope["rope_theta"]
+    core = _llama_fields(layer, "draft_vocab_size")
     core.update(model_type="llama", num_hidden_layers=1, vocab_size=vocab, tie_word_embeddings=False,
                 target_hidden_size=layer["hidden_size"], torch_dtype=str(dtype).removeprefix("torch."))
     if fmt == "speculators":
@@ -124,9 +146,12 @@ def export_for_serving(folder: str | Path, out: str | Path, fmt: str = "vllm", b
     family = meta["family"]
     if family == "medusa" and fmt == "vllm":
         return _export_medusa(folder, meta, Path(out), base, dtype)
+    if family == "eagle" and fmt == "vllm" and meta["config"].get("norms") is False:
+        return _export_eagle1(folder, meta, Path(out), base, dtype)
     if family != "eagle3":
-        why = {"eagle": "its input norms (feature_norm, embed_norm) and its layer's own norms have no place in "
-                        "EAGLE-3's layout; train an eagle3 head to serve it there",
+        why = {"eagle": ("its input norms (feature_norm, embed_norm) and its layer's own norms have no place in "
+                         "vLLM's EAGLE layout: train with --head-arg norms=false (EAGLE-1's layout) to serve it there"
+                         if fmt == "vllm" else f"{fmt} takes EAGLE-3 drafters only; train an eagle3 head"),
                "medusa": f"{fmt} has no Medusa drafter (export to vllm)"}.get(
                    family, "only eagle3 heads (and medusa heads, for vllm) have a layout there")
         raise SelfspecError(f"{family} heads cannot be exported to {fmt}: {why}")
@@ -145,6 +170,52 @@ def export_for_serving(folder: str | Path, out: str | Path, fmt: str = "vllm", b
     return out
 
 
+def eagle1_tensors(layer: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of an EAGLE-1 drafter for vLLM's ``EagleLlamaForCausalLM`` with the one-layer Llama config
+    ``layer`` (a dict): ``fc``, the layer without its input norm, no final norm (embedding and LM head shared)."""
+    h, inter = layer["hidden_size"], layer["intermediate_size"]
+    heads, kv = layer["num_attention_heads"], layer["num_key_value_heads"]
+    dim = layer.get("head_dim") or h // heads
+    attn, mlp = "layers.0.self_attn.", "layers.0.mlp."
+    out = {"fc.weight": (h, 2 * h), attn + "q_proj.weight": (heads * dim, h), attn + "k_proj.weight": (kv * dim, h),
+           attn + "v_proj.weight": (kv * dim, h), attn + "o_proj.weight": (h, heads * dim),
+           mlp + "gate_proj.weight": (inter, h), mlp + "up_proj.weight": (inter, h), mlp + "down_proj.weight": (h, inter),
+           "layers.0.post_attention_layernorm.weight": (h,)}
+    if layer.get("qkv_bias"):
+        out.update({attn + "q_proj.bias": (heads * dim,), attn + "k_proj.bias": (kv * dim,),
+                    attn + "v_proj.bias": (kv * dim,)})
+    if layer.get("attention_bias"):
+        out[attn + "o_proj.bias"] = (h,)
+    return out
+
+
+def _export_eagle1(folder: str | Path, meta: dict[str, Any], out: Path, base: str | None, dtype: torch.dtype) -> Path:
+    """vLLM's EAGLE-1 drafter: the layer renamed, ``fc``'s halves swapped, a Llama config with the target's shapes."""
+    from ..heads.config import config_from_dict
+    from ..heads.eagle3 import layer_config
+    from ..zoo import load_config, resolve
+
+    name = _base_name(meta, base)
+    target_config = load_config(name)
+    tc = target_config.get_text_config()
+    tensors = {k.removeprefix("decoder."): v for k, v in read_tensors(folder).items() if k != "d2t"}
+    attn = "layers.0.self_attn."
+    layer = layer_config(target_config, config_from_dict("eagle", meta["config"])).to_dict()
+    layer.update(vocab_size=tc.vocab_size, hidden_act=getattr(tc, "hidden_act", "silu"),
+                 qkv_bias=attn + "q_proj.bias" in tensors, attention_bias=attn + "o_proj.bias" in tensors)
+    check_tensors(tensors, eagle1_tensors(layer), "an EAGLE-1 drafter")
+    fc, h = tensors["fc.weight"], layer["hidden_size"]
+    tensors["fc.weight"] = torch.cat([fc[:, h:], fc[:, :h]], dim=1)  # [feature; embedding] -> [embedding; feature]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    engine = _llama_fields(layer, "qkv_bias", "vocab_size")
+    engine.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1,
+                  tie_word_embeddings=False, torch_dtype=str(dtype).removeprefix("torch."), base_model=resolve(name))
+    (out / "config.json").write_text(json.dumps(engine, indent=2) + "\n")
+    return out
+
+
 def medusa_tensor_names(num_heads: int, num_layers: int) -> dict[str, str]:
     """selfspec's Medusa tensor names -> vLLM's (``Medusa`` with ``medusa_fc_bias``)."""
     return {f"heads.{i}.{j}.linear.{p}": f"blocks.{i}.layers.{j}.{p}"
@@ -158,9 +229,7 @@ def _export_medusa(folder: str | Path, meta: dict[str, Any], out: Path, base: st
     from ..heads.config import config_from_dict
     from ..zoo import _from_pretrained, resolve
 
-    name = base or meta["base"].get("name_or_path")
-    if not name:
-        raise SelfspecError("the heads folder does not name its base model: pass base= (a zoo name, folder or hub id)")
+    name = _base_name(meta, base)
     config = config_from_dict("medusa", meta["config"])
     names = medusa_tensor_names(config.num_heads, config.num_layers)
     tensors = read_tensors(folder)
@@ -189,9 +258,11 @@ def _export_medusa(folder: str | Path, meta: dict[str, Any], out: Path, base: st
 
 
 def vllm_speculative_config(exported: str | Path, num_speculative_tokens: int = 3) -> dict[str, Any]:
-    """vLLM's ``speculative_config`` for a folder ``export_for_serving(..., "vllm")`` wrote: EAGLE-3 drafts
-    ``num_speculative_tokens``, Medusa one token per head."""
+    """vLLM's ``speculative_config`` for a folder ``export_for_serving(..., "vllm")`` wrote: EAGLE-3 and EAGLE-1
+    draft ``num_speculative_tokens``, Medusa one token per head."""
     config = json.loads((Path(exported) / "config.json").read_text())
     if config.get("model_type") == "medusa":
         return {"method": "medusa", "model": str(exported), "num_speculative_tokens": config["num_heads"]}
+    if config.get("architectures") == ["LlamaForCausalLM"]:  # EAGLE-1 (vLLM names it EagleLlamaForCausalLM)
+        return {"method": "eagle", "model": str(exported), "num_speculative_tokens": num_speculative_tokens}
     return {"method": "eagle3", "model": str(exported), "num_speculative_tokens": num_speculative_tokens}

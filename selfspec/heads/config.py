@@ -69,13 +69,16 @@ class EagleConfig(FamilyConfig):
     ``intermediate_size`` narrows the layer's MLP (None: twice the hidden size, capped at the
     target's); ``draft_vocab_size`` drafts over that many frequent tokens only (None: all of a
     vocabulary up to 32768 tokens, else 32768); ``top_k``: children per expanded node, and nodes
-    expanded per depth, of the EAGLE-2 dynamic tree.
+    expanded per depth, of the EAGLE-2 dynamic tree; ``norms``: False builds EAGLE-1's layout, the one
+    vLLM loads (``EagleLlamaForCausalLM``): no input norms, no norm before the layer's attention, no
+    final norm (``selfspec export --format vllm`` writes it; vLLM drafts over the whole vocabulary).
     """
 
     family: ClassVar[str] = "eagle"
     intermediate_size: int | None = None
     draft_vocab_size: int | None = None
     top_k: int = 4
+    norms: bool = True
 
     def __post_init__(self) -> None:
         if self.top_k < 1:

@@ -13,6 +13,10 @@ with ``AutoModel.from_config`` (its embedding removed: inputs arrive as ``inputs
 embeddings, attention kernels, 4-D masks and the KV cache are transformers' own for any standard
 decoder; no modeling code is copied. ``d2t`` maps the reduced draft vocabulary to target ids (EAGLE-3):
 logits are computed over those rows of the frozen LM head only.
+
+With ``norms=False`` the head is EAGLE-1's, as vLLM's ``EagleLlamaForCausalLM`` computes it:
+``fc(concat(f_t, embed(x_{t+1})))``, the layer's attention fed without its input norm, no final norm (the
+target's final norm already shaped f_t, and the target's LM head reads f^ as it is).
 """
 
 from __future__ import annotations
@@ -27,21 +31,25 @@ from .config import EagleConfig
 
 
 class EagleHead(nn.Module):
-    """The trained part: input norms, ``fc`` (2H -> H), one decoder layer, its final norm; ``d2t`` (draft -> target ids)."""
+    """The trained part: input norms, ``fc`` (2H -> H), one decoder layer, its final norm; ``d2t`` (draft -> target ids).
+    Without ``config.norms``: ``fc`` and the layer's attention, post-attention norm and MLP only."""
 
     def __init__(self, config: EagleConfig, target_config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         hidden = text_config(target_config).hidden_size
         eps = getattr(text_config(target_config), "rms_norm_eps", 1e-6)
-        self.feature_norm = nn.RMSNorm(hidden, eps=eps)
-        self.embed_norm = nn.RMSNorm(hidden, eps=eps)
+        norm = (lambda: nn.RMSNorm(hidden, eps=eps)) if config.norms else nn.Identity
+        self.feature_norm, self.embed_norm = norm(), norm()
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         layer_config = config_with_layers(target_config, 1, intermediate_size=config.intermediate_size,
                                           vocab_size=1, pad_token_id=None, bos_token_id=None,
                                           eos_token_id=None, tie_word_embeddings=False)
         self.decoder = AutoModel.from_config(layer_config)
         self.decoder.set_input_embeddings(None)  # tokens come in through the target's frozen embedding
+        if not config.norms:  # EAGLE-1: the modules stay (transformers' forward calls them), their weights go
+            self.decoder.layers[0].input_layernorm = nn.Identity()
+            self.decoder.norm = nn.Identity()
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size))
 
     def new_cache(self) -> DynamicCache:
