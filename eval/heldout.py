@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from selfspec.checkpoint import check_heads_folder, load_heads
 from selfspec.dtypes import dtype_name
 from selfspec.memory import model_dtype
+from selfspec.packed_linear import dense_linears
 from selfspec.options import OneLineParser, add_model_options, load_target, positive_int, run_command
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import TokenDataset, pad_batch
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     device = next(target.parameters()).device
     for folder in args.heads:
         heads, _ = load_heads(target, folder, tokenizer=tok)
-        depth, chain = accuracies(heads, target, loader, device)
+        with dense_linears(heads):  # the drafter packed them for decoding; teacher-forced batches run them dense,
+            depth, chain = accuracies(heads.float(), target, loader, device)  # in float32 as training evaluates
         print(f"| {folder} | {heads.config.family} | {cells(depth)} | {cells(chain)} |", flush=True)
     return 0
 

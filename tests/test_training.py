@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import hf_greedy, load_script, make_tokenizer, tiny_model
+from conftest import hf_greedy, load_script, make_tokenizer, perturb, tiny_model
 from selfspec.checkpoint import load_heads
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
@@ -450,6 +450,39 @@ def test_eagle1_layout_trains_from_normed_eagle_heads_and_exports_for_vllm(chat_
     assert heads.config.norms is False and not hasattr(heads.feature_norm, "weight")
     out = export_for_serving(folder, tmp_path / "vllm", "vllm", base=str(tmp_path / "base"))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_folded_norms_compute_what_the_normed_heads_compute_where_every_rms_is_its_constant(arch: str) -> None:
+    """The fold's algebra: the normed heads with each norm's per-token RMS replaced by its calibrated constant (the
+    post-attention norm over s * r, as the folded layer sees it) compute what the folded EAGLE-1-layout heads do."""
+    from selfspec.heads import init_heads
+    from selfspec.train.fold_norms import calibrate, fold_norms
+
+    model = tiny_model(0, vocab=VOCAB, layers=2, arch=arch)
+    heads = perturb(init_heads("eagle", model, draft_vocab_size=60), 1, 0.3).float()
+    with torch.no_grad():
+        for norm in (heads.feature_norm, heads.embed_norm, heads.decoder.norm):
+            norm.weight.uniform_(0.5, 2.0)  # per-channel scales the fold has to carry
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    f = model.get_decoder()(input_ids=ids).last_hidden_state.detach()
+    scales = calibrate(heads, model, [{"input_ids": ids, "loss_mask": torch.ones_like(ids), "f": f}])
+    folded = fold_norms(heads, model, scales)
+    assert not folded.config.norms and torch.equal(folded.d2t, heads.d2t)
+    pairs = (f[:, :-1], model.get_input_embeddings()(ids[:, 1:]).detach(), torch.arange(11)[None].expand(2, -1))
+    with torch.no_grad():
+        normed, want = heads(*pairs), folded(*pairs)
+        assert (normed - want).abs().max() > 1e-3  # the negative control: per-token RMS is not constant here
+        inv, layer = scales.inv, heads.decoder.layers[0]
+        s = heads.decoder.norm.weight * inv["y"]
+        eps = layer.post_attention_layernorm.variance_epsilon
+        heads.feature_norm.forward = lambda u: u * heads.feature_norm.weight * inv["f"]
+        heads.embed_norm.forward = lambda u: u * heads.embed_norm.weight * inv["e"]
+        layer.input_layernorm.forward = lambda u: u * layer.input_layernorm.weight * inv["x"]
+        layer.post_attention_layernorm.forward = lambda u: (u * layer.post_attention_layernorm.weight * scales.kappa
+                                                            * torch.rsqrt((s * u).pow(2).mean(-1, keepdim=True) + eps))
+        heads.decoder.norm.forward = lambda u: u * s
+        torch.testing.assert_close(heads(*pairs), want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_warm_start_folder_that_holds_no_heads_is_one_line_before_the_model_loads(chat_file: Path,
