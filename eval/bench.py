@@ -223,6 +223,32 @@ def without_missing_vllm(names: list[str]) -> list[str]:
     return [n for n in names if not is_vllm(n)]
 
 
+RESUMED_SETTINGS = ("model", "max_new_tokens", "max_depth", "max_nodes", "fixed_tree", "vllm_spec_tokens")
+
+
+def folder_stamp(folder: str) -> list[list]:
+    """Each file of a heads folder with its size and modification time: retrained or replaced heads differ."""
+    return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in Path(folder).iterdir() if p.is_file())
+
+
+def resume_guard(out: Path, args: argparse.Namespace, dtype: str, heads: dict[str, str]) -> None:
+    """Record what the runs in ``out`` were measured with; refuse to add runs to ones measured otherwise (a method
+    named like an earlier one, with other heads or settings, would otherwise be reported from the old runs)."""
+    setup = {**{k: getattr(args, k) for k in RESUMED_SETTINGS}, "dtype": dtype,
+             "heads": {name: folder_stamp(folder) for name, folder in heads.items()}}
+    path = out / "setup.json"
+    if (out / "runs.jsonl").exists() and path.exists():
+        old = json.loads(path.read_text())
+        changed = [k for k in setup if k != "heads" and old.get(k) != setup[k]]
+        changed += [f"heads {name}" for name, stamp in setup["heads"].items()
+                    if name in old.get("heads", {}) and old["heads"][name] != stamp]
+        if changed:
+            raise SelfspecError(f"{out} holds runs measured with other {', '.join(changed)}: pass another --out, "
+                                "or remove it to measure again")
+        setup["heads"] = {**old.get("heads", {}), **setup["heads"]}
+    path.write_text(json.dumps(setup, indent=2) + "\n")
+
+
 def bench(args: argparse.Namespace) -> dict:
     """Load, run (or resume), and build the report dict; writes the report files."""
     out = Path(args.out)
@@ -246,6 +272,7 @@ def bench(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)  # the first thing written: after every input was checked
     log = out / "runs.jsonl"
     if not args.report_only:
+        resume_guard(out, args, dtype_name(dtype), heads)
         prompts = load_bench_prompts(args.prompts.split(","), args.n, tok, args.max_prompt_tokens)
         run_questions(methods, target, tok, prompts, args, log)
     for m in methods:  # vLLM workers hold a model copy each: free them before the float32 copy below

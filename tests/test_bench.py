@@ -193,6 +193,30 @@ def test_bench_small_run_writes_report(tmp_path):
                  "--methods", methods, "--out", str(out), "--report-only", "--no-plots"]) == 0
 
 
+def test_a_bench_folder_refuses_to_resume_runs_of_other_heads_or_settings(tmp_path):
+    """Runs resume by method name: heads retrained in the same folder, or other decoding settings, would be
+    reported from the old runs. The folder records what its runs were measured with and refuses the rest."""
+    from argparse import Namespace
+
+    from selfspec.errors import SelfspecError
+    from selfspec_eval.bench import resume_guard
+
+    heads, out = tmp_path / "heads", tmp_path / "out"
+    heads.mkdir()
+    out.mkdir()
+    (heads / "heads.safetensors").write_bytes(b"1")
+    args = Namespace(model="m", max_new_tokens=8, max_depth=6, max_nodes=16, fixed_tree=False, vllm_spec_tokens=3)
+    resume_guard(out, args, "bfloat16", {"eagle": str(heads)})
+    (out / "runs.jsonl").write_text("{}\n")
+    resume_guard(out, args, "bfloat16", {"eagle": str(heads)})  # the same: resumes
+    resume_guard(out, args, "bfloat16", {"other": str(heads)})  # a method added beside them: fine
+    with pytest.raises(SelfspecError, match="other max_nodes"):
+        resume_guard(out, Namespace(**{**vars(args), "max_nodes": 4}), "bfloat16", {})
+    (heads / "heads.safetensors").write_bytes(b"22")  # retrained
+    with pytest.raises(SelfspecError, match="other heads eagle: pass another --out"):
+        resume_guard(out, args, "bfloat16", {"eagle": str(heads)})
+
+
 def test_bench_bad_model_is_one_line(capsys, tmp_path):
     from selfspec_eval.bench import main
 
