@@ -18,14 +18,16 @@ import argparse
 from selfspec.dtypes import DTYPES
 from selfspec.options import heads_folder, positive_int
 
-HELP = "write eagle3 heads in the layout vLLM, SGLang or speculators load (EAGLE-1-layout eagle and medusa heads: vLLM's)"
+HELP = ("write eagle3 heads in the layout vLLM, SGLang or speculators load (EAGLE-1-layout eagle and medusa heads: "
+        "vLLM's)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The heads folder, the output folder, the format and what the config needs."""
     from selfspec.checkpoint.serving import FORMATS
 
-    p.add_argument("folder", type=heads_folder, help="a selfspec heads folder (eagle3; for vllm also medusa, or eagle with norms=false)")
+    p.add_argument("folder", type=heads_folder,
+                   help="a selfspec heads folder (eagle3; for vllm also medusa, or eagle with norms=false)")
     p.add_argument("out", help="the folder to write (config.json, model.safetensors)")
     p.add_argument("--format", choices=FORMATS, default="vllm")
     p.add_argument("--base", default=None, help="the base model (default: the one the heads folder names)")

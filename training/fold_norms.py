@@ -1,4 +1,4 @@
-"""Normed eagle heads as heads in EAGLE-1's layout (what vLLM loads), norms folded into the weights, calibrated on data.
+"""Normed eagle heads in EAGLE-1's layout (what vLLM loads), the norms folded into the weights, calibrated on data.
 
     python training/fold_norms.py checkpoints/qwen2.5-coder-1.5b-instruct-eagle runs/heads/qwen-eagle1-folded \\
         --data runs/data/qwen-selfdistill.jsonl

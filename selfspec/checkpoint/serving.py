@@ -179,8 +179,8 @@ def eagle1_tensors(layer: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     attn, mlp = "layers.0.self_attn.", "layers.0.mlp."
     out = {"fc.weight": (h, 2 * h), attn + "q_proj.weight": (heads * dim, h), attn + "k_proj.weight": (kv * dim, h),
            attn + "v_proj.weight": (kv * dim, h), attn + "o_proj.weight": (h, heads * dim),
-           mlp + "gate_proj.weight": (inter, h), mlp + "up_proj.weight": (inter, h), mlp + "down_proj.weight": (h, inter),
-           "layers.0.post_attention_layernorm.weight": (h,)}
+           mlp + "gate_proj.weight": (inter, h), mlp + "up_proj.weight": (inter, h),
+           mlp + "down_proj.weight": (h, inter), "layers.0.post_attention_layernorm.weight": (h,)}
     if layer.get("qkv_bias"):
         out.update({attn + "q_proj.bias": (heads * dim,), attn + "k_proj.bias": (kv * dim,),
                     attn + "v_proj.bias": (kv * dim,)})

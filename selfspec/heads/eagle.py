@@ -31,8 +31,8 @@ from .config import EagleConfig
 
 
 class EagleHead(nn.Module):
-    """The trained part: input norms, ``fc`` (2H -> H), one decoder layer, its final norm; ``d2t`` (draft -> target ids).
-    Without ``config.norms``: ``fc`` and the layer's attention, post-attention norm and MLP only."""
+    """The trained part: input norms, ``fc`` (2H -> H), one decoder layer, its final norm; ``d2t`` (draft -> target
+    ids). Without ``config.norms``: ``fc`` and the layer's attention, post-attention norm and MLP only."""
 
     def __init__(self, config: EagleConfig, target_config: PretrainedConfig) -> None:
         super().__init__()
