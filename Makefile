@@ -38,10 +38,10 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-# Exported heads in vLLM: the committed (experimental) SmolLM2 eagle3 heads exported to vLLM's EAGLE-3 layout and
-# the committed Medusa heads to vLLM's Medusa layout, decoding held-out questions greedily beside plain vLLM and
-# transformers (identical outputs, vLLM's acceptance per draft position, tokens/s); about 5 minutes on 2 cores.
+# Exported heads in vLLM: the committed SmolLM2 eagle heads as vLLM's MTP layer, the Medusa heads in its Medusa
+# layout and the experimental eagle3 heads in its EAGLE-3 layout, decoding held-out questions greedily beside plain
+# vLLM and transformers (identical outputs, vLLM's acceptance per draft position, tokens/s); about 6 minutes here.
 vllm-check: install vllm-env
 	$(BIN)/selfspec bench --model smollm2-135m-instruct --heads-path checkpoints:checkpoints/experimental \
-		--methods hf,vllm,vllm+eagle3,vllm+medusa --prompts chat,code --n 3 \
+		--methods hf,vllm,vllm+eagle,vllm+eagle3,vllm+medusa --prompts chat,code --n 3 \
 		--max-new-tokens 64 --no-plots --out runs/vllm-check

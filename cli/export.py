@@ -1,7 +1,8 @@
 """selfspec export HEADS OUT --format vllm|sglang|speculators: eagle3 heads as the EAGLE-3 drafter a serving
 engine loads (config.json + model.safetensors; only the base model's config is read), eagle heads trained in EAGLE-1's
-layout (``--head-arg norms=false``) as vLLM's EAGLE-1 drafter (method ``eagle``), or medusa heads as vLLM's Medusa
-drafter (the base model's LM head is copied in: vLLM's Medusa checkpoints carry it).
+layout (``--head-arg norms=false``) as vLLM's EAGLE-1 drafter (method ``eagle``), other eagle heads as vLLM's MTP
+layer (method ``mtp``; the same computation), or medusa heads as vLLM's Medusa drafter (the base model's LM head is
+copied in: vLLM's Medusa checkpoints carry it). For vllm it prints the ``vllm serve`` flags.
 
     selfspec export runs/smollm2-eagle3/heads exported/smollm2-eagle3 --format vllm
     vllm serve smollm2-135m-instruct-folder --speculative-config \\
@@ -14,12 +15,13 @@ drafter (the base model's LM head is copied in: vLLM's Medusa checkpoints carry 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 
 from selfspec.dtypes import DTYPES
 from selfspec.options import heads_folder, positive_int
 
-HELP = ("write eagle3 heads in the layout vLLM, SGLang or speculators load (EAGLE-1-layout eagle and medusa heads: "
-        "vLLM's)")
+HELP = ("write eagle3 heads in the layout vLLM, SGLang or speculators load (eagle and medusa heads: vLLM's)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,20 +29,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from selfspec.checkpoint.serving import FORMATS
 
     p.add_argument("folder", type=heads_folder,
-                   help="a selfspec heads folder (eagle3; for vllm also medusa, or eagle with norms=false)")
+                   help="a selfspec heads folder (eagle3; for vllm also eagle or medusa)")
     p.add_argument("out", help="the folder to write (config.json, model.safetensors)")
     p.add_argument("--format", choices=FORMATS, default="vllm")
     p.add_argument("--base", default=None, help="the base model (default: the one the heads folder names)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=3,
-                   help="the speculators format's proposal length (default 3)")
+                   help="the proposal length in the speculators config and the printed vllm flags (default 3)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
 
 
 def run(args: argparse.Namespace) -> int:
     """Export and say where."""
-    from selfspec.checkpoint.serving import export_for_serving
+    from selfspec.checkpoint.serving import export_for_serving, vllm_serve_flags
 
     out = export_for_serving(args.folder, args.out, args.format, base=args.base,
                              num_speculative_tokens=args.num_speculative_tokens, dtype=DTYPES[args.dtype])
     print(f"wrote {out}/config.json and {out}/model.safetensors ({args.format})")
+    if args.format == "vllm":
+        flags = vllm_serve_flags(out, args.num_speculative_tokens)
+        base = json.loads((out / "config.json").read_text()).get("base_model", "<base model folder>")
+        print("serve it: vllm serve " + " ".join(shlex.quote(f) for f in [base, *flags]))
     return 0

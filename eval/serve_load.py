@@ -92,7 +92,7 @@ def start_server(model: str, extra: str, log: Path) -> tuple[subprocess.Popen, s
 
 def start_vllm(model: str, which: str, log: Path) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server for ``model`` (``which``: "plain" or a heads folder to export and draft with)."""
-    from selfspec.checkpoint.serving import export_for_serving, vllm_speculative_config
+    from selfspec.checkpoint.serving import export_for_serving, vllm_serve_flags
     from selfspec.zoo import resolve
 
     from .vllm_client import missing_environment, vllm_python
@@ -107,7 +107,7 @@ def start_vllm(model: str, which: str, log: Path) -> tuple[subprocess.Popen, str
            "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
     if which != "plain":
         exported = export_for_serving(which, log.with_suffix(".export"), "vllm", base=folder)
-        cmd += ["--speculative-config", json.dumps(vllm_speculative_config(exported))]
+        cmd += vllm_serve_flags(exported)
     env = {**ENV_DEFAULTS, "VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in its own process
     lib = python.parent.parent / "lib" / OPENMP

@@ -86,8 +86,10 @@ def load(args: argparse.Namespace):
     from vllm import LLM
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
+    # vLLM builds an MTP drafter from the target's config, which must then say it has one MTP layer
+    overrides = {"num_nextn_predict_layers": 1} if spec and spec.get("method") == "mtp" else None
     return LLM(model=args.model, dtype=args.dtype, enforce_eager=not args.compile, speculative_config=spec,
-               max_model_len=args.max_model_len, seed=0, disable_log_stats=spec is None)
+               max_model_len=args.max_model_len, seed=0, disable_log_stats=spec is None, hf_overrides=overrides)
 
 
 def spec_counters(llm) -> tuple[int, list[int]]:

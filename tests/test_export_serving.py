@@ -129,13 +129,64 @@ def test_eagle1_export_computes_what_the_head_computes(tmp_path: Path, arch: str
     torch.testing.assert_close(got, heads(f, embeds, pos), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_normed_eagle_export_is_an_mtp_layer_computing_what_the_head_computes(tmp_path: Path, arch: str) -> None:
+    """vLLM's MiMo MTP layer on the exported tensors, as vLLM builds it (from the target's config: its MLP width,
+    Qwen2's q/k/v biases): input_proj over [hidden_layernorm(feature); token_layernorm(embedding)], the layer with
+    its norms, final_layernorm. Rebuilt with transformers' Qwen2 layer; the head's narrower MLP padded with zeros."""
+    from transformers import AutoModel, Qwen2Config
+
+    model = tiny_model(0, layers=3, arch=arch)
+    model.save_pretrained(tmp_path / "base")
+    heads = perturb(init_heads("eagle", model, intermediate_size=16, draft_vocab_size=40), 1, 0.1)
+    save_heads(heads, model, tmp_path / "heads", base_name=str(tmp_path / "base"))
+    out = export_for_serving(tmp_path / "heads", tmp_path / "out", "vllm", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["MiMoForCausalLM"] and config["num_nextn_predict_layers"] == 1
+    assert vllm_speculative_config(out, 4) == {"method": "mtp", "model": str(out), "num_speculative_tokens": 4}
+    torch.testing.assert_close(tensors["model.embed_tokens.weight"], model.get_input_embeddings().weight)
+    torch.testing.assert_close(tensors["lm_head.weight"], model.get_output_embeddings().weight)
+    mtp = {k.removeprefix("model.mtp_layers.0."): v for k, v in tensors.items() if k.startswith("model.mtp_layers.0.")}
+    assert mtp["mlp.gate_proj.weight"].shape == (64, 32) and mtp["mlp.down_proj.weight"][:, 16:].abs().max() == 0
+    t = model.config
+    engine = AutoModel.from_config(Qwen2Config(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, rms_norm_eps=t.rms_norm_eps, num_hidden_layers=1, vocab_size=1,
+        rope_parameters=t.rope_parameters, attn_implementation="eager"))
+    engine.layers[0].load_state_dict({k: v for k, v in mtp.items() if k.split(".")[0] in ("self_attn", "mlp")
+                                      or k.endswith("attention_layernorm.weight") or k.startswith("input_layernorm")})
+    if arch == "llama":
+        assert all(mtp[f"self_attn.{p}_proj.bias"].abs().max() == 0 for p in "qkv")
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + t.rms_norm_eps) * w
+
+    f, tokens = torch.randn(1, 6, 32) * 5, torch.randint(0, 64, (1, 6))
+    embeds, pos = model.get_input_embeddings()(tokens), torch.arange(6)[None]
+    x = torch.cat([rms(f, mtp["hidden_layernorm.weight"]), rms(embeds, mtp["token_layernorm.weight"])], dim=-1)
+    h = engine(inputs_embeds=x @ mtp["input_proj.weight"].T, position_ids=pos).last_hidden_state
+    engine.norm.weight.data.copy_(mtp["final_layernorm.weight"])
+    got = engine(inputs_embeds=x @ mtp["input_proj.weight"].T, position_ids=pos).last_hidden_state
+    assert not torch.equal(h, got)  # the final norm is the head's own, not the default
+    heads.decoder.config._attn_implementation = "eager"
+    torch.testing.assert_close(got, heads(f, embeds, pos), rtol=0, atol=1e-5)
+
+
+def test_an_mtp_export_vllm_would_misread_is_refused(tmp_path: Path) -> None:
+    folder, _, _ = saved(tmp_path, "eagle", 4)
+    out = export_for_serving(folder, tmp_path / "my-eagle-heads", "vllm")
+    with pytest.raises(SelfspecError, match="vLLM would take .* for an EAGLE drafter by its path"):
+        vllm_speculative_config(out)
+
+
 def test_eagle3_speculative_config(tmp_path: Path) -> None:
     folder, _, _ = saved(tmp_path, "eagle3", 4)
     out = export_for_serving(folder, tmp_path / "out", "vllm")
     assert vllm_speculative_config(out, 5) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 5}
 
 
-@pytest.mark.parametrize(("family", "fmt"), [("eagle", "vllm"), ("early-exit", "vllm"), ("medusa", "sglang"),
+@pytest.mark.parametrize(("family", "fmt"), [("eagle", "speculators"), ("early-exit", "vllm"), ("medusa", "sglang"),
                                              ("medusa", "speculators")])
 def test_families_without_a_layout_are_refused(tmp_path: Path, family: str, fmt: str) -> None:
     folder, _, _ = saved(tmp_path, family, 4, **({"exit_layer": 1} if family == "early-exit" else {}))
@@ -143,7 +194,7 @@ def test_families_without_a_layout_are_refused(tmp_path: Path, family: str, fmt:
         export_for_serving(folder, tmp_path / "out", fmt)
     assert not (tmp_path / "out").exists()
     if family == "eagle":
-        assert "norms=false" in str(refused.value)
+        assert "or export to vllm" in str(refused.value)
 
 
 def test_eagle1_layout_goes_to_vllm_only(tmp_path: Path) -> None:
@@ -168,3 +219,19 @@ def test_unknown_format(tmp_path: Path) -> None:
     folder, _, _ = saved(tmp_path, "eagle3", 4)
     with pytest.raises(SelfspecError, match="unknown export format"):
         export_for_serving(folder, tmp_path / "out", "onnx")
+
+
+def test_export_command_prints_the_vllm_serve_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``selfspec export`` of normed eagle heads says how to serve them: the mtp config and the target's override."""
+    import shlex
+
+    from selfspec_cli.main import main
+
+    folder, _, _ = saved(tmp_path, "eagle", 2)
+    assert main(["export", str(folder), str(tmp_path / "out"), "--num-speculative-tokens", "2"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    argv = shlex.split(line.removeprefix("serve it: "))
+    assert argv[:3] == ["vllm", "serve", str(tmp_path / "base-2")]
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "mtp", "model": str(tmp_path / "out"), "num_speculative_tokens": 2}
+    assert json.loads(argv[argv.index("--hf-overrides") + 1]) == {"num_nextn_predict_layers": 1}

@@ -1,10 +1,10 @@
 """Heads in the layouts serving engines load: vLLM's and SGLang's EAGLE-3 drafter, the speculators format, and
-vLLM's Medusa drafter.
+vLLM's MTP, EAGLE-1 and Medusa drafters.
 
     export_for_serving(heads_folder, out, "vllm" | "sglang" | "speculators", num_speculative_tokens=3)
-    vllm_speculative_config(out)  # {"method": "eagle3" | "medusa", "model": out, "num_speculative_tokens": k}
+    vllm_speculative_config(out)  # {"method": "eagle3" | "mtp" | "eagle" | "medusa", "model": out, ...}
 
-writes ``out/config.json`` and ``out/model.safetensors``. Only the ``eagle3`` family has a place there: its
+writes ``out/config.json`` and ``out/model.safetensors``. The ``eagle3`` family has a place in all three: its
 tensors already carry the EAGLE-3 names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` as target id
 minus draft id, ``t2d``), so the export is a copy (cast to ``dtype``), checked against the names and shapes
 those engines' EAGLE-3 model classes declare (``expected_tensors``: their loaders drop unexpected tensors and
@@ -18,8 +18,14 @@ leave missing ones uninitialised without an error, so the check has to be here).
                  ``norm_before_residual: false`` written out (the format's default is true), the verifier
                  and a greedy proposal of ``num_speculative_tokens``; ``vllm serve OUT`` alone serves it
 
-``eagle`` heads built with ``norms=False`` (EAGLE-1's layout) go to vLLM only, as its ``EagleLlamaForCausalLM``
-(method ``eagle``): a one-layer Llama config (``qkv_bias`` where the layer's q/k/v carry biases, as Qwen2's do),
+``eagle`` heads go to vLLM only. With their norms (the default) they are, tensor for tensor, the MTP layer vLLM
+runs for MiMo (``MiMoMTP``, method ``mtp``): ``hidden_layernorm`` (feature_norm), ``token_layernorm`` (embed_norm),
+``input_proj`` (fc, the same [feature; embedding] order), a Qwen2 decoder layer, ``final_layernorm``, the output fed
+back as the next feature. vLLM builds that layer from the *target's* config, so a Llama layer's q/k/v get zero
+biases, the MLP zero rows up to the target's width (nothing added either way), the target's config needs
+``num_nextn_predict_layers`` (``vllm_serve_flags``), and the embedding and LM head are copied in for vLLM's loader
+(it then shares the target's). ``eagle`` heads built with ``norms=False`` (EAGLE-1's layout) go as vLLM's
+``EagleLlamaForCausalLM`` (method ``eagle``): a one-layer Llama config (``qkv_bias`` where the layer's q/k/v carry biases, as Qwen2's do),
 ``fc.weight`` with its two input halves swapped (vLLM concatenates [embedding; feature], selfspec [feature;
 embedding]) and the layer as ``layers.0.*``; the embedding and LM head are the target's, shared, and vLLM drafts
 over the whole vocabulary (``d2t`` stays behind).
@@ -28,8 +34,7 @@ over the whole vocabulary (``d2t`` stays behind).
 ``blocks.{i}.layers.{j}.{weight,bias}`` (``medusa_fc_bias: true``), and the target's own LM head once as
 ``lm_heads.0.weight`` with ``original_lm_head: true`` (vLLM shares it among the heads, as selfspec does); vLLM
 drafts a chain of each head's top-1 token, fed the target's final (normed) hidden state, as selfspec's heads
-were trained. Other families refuse with one line, as do ``eagle`` heads with their input norms (``feature_norm``,
-``embed_norm``) and the layer's own norms, which have no place in these layouts.
+were trained. Other families refuse with one line.
 """
 
 from __future__ import annotations
@@ -137,6 +142,14 @@ def _engine_config(layer: dict[str, Any], aux: list[int], vocab: int, fmt: str, 
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
 
 
+def vllm_method(meta: dict[str, Any]) -> str | None:
+    """The vLLM drafter a heads folder's metadata exports to (its ``speculative_config`` method), or None."""
+    family = meta["family"]
+    if family == "eagle":
+        return "eagle" if meta["config"].get("norms") is False else "mtp"
+    return family if family in ("eagle3", "medusa") else None
+
+
 def export_for_serving(folder: str | Path, out: str | Path, fmt: str = "vllm", base: str | None = None,
                        num_speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the eagle3 heads in ``folder`` as an EAGLE-3 drafter ``fmt`` loads; returns ``out``."""
@@ -144,14 +157,12 @@ def export_for_serving(folder: str | Path, out: str | Path, fmt: str = "vllm", b
         raise SelfspecError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
     meta = check_heads_folder(folder)
     family = meta["family"]
-    if family == "medusa" and fmt == "vllm":
-        return _export_medusa(folder, meta, Path(out), base, dtype)
-    if family == "eagle" and fmt == "vllm" and meta["config"].get("norms") is False:
-        return _export_eagle1(folder, meta, Path(out), base, dtype)
+    if fmt == "vllm" and family != "eagle3":
+        export = {"medusa": _export_medusa, "eagle": _export_eagle1, "mtp": _export_mtp}.get(vllm_method(meta))
+        if export is not None:
+            return export(folder, meta, Path(out), base, dtype)
     if family != "eagle3":
-        why = {"eagle": ("its input norms (feature_norm, embed_norm) and its layer's own norms have no place in "
-                         "vLLM's EAGLE layout: train with --head-arg norms=false (EAGLE-1's layout) to serve it there"
-                         if fmt == "vllm" else f"{fmt} takes EAGLE-3 drafters only; train an eagle3 head"),
+        why = {"eagle": f"{fmt} takes EAGLE-3 drafters only; train an eagle3 head (or export to vllm)",
                "medusa": f"{fmt} has no Medusa drafter (export to vllm)"}.get(
                    family, "only eagle3 heads (and medusa heads, for vllm) have a layout there")
         raise SelfspecError(f"{family} heads cannot be exported to {fmt}: {why}")
@@ -189,11 +200,13 @@ def eagle1_tensors(layer: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _export_eagle1(folder: str | Path, meta: dict[str, Any], out: Path, base: str | None, dtype: torch.dtype) -> Path:
-    """vLLM's EAGLE-1 drafter: the layer renamed, ``fc``'s halves swapped, a Llama config with the target's shapes."""
+def _eagle_layer(folder: str | Path, meta: dict[str, Any], base: str | None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+    """An eagle heads folder's tensors (``decoder.`` dropped, no ``d2t``), its layer's config as a dict (the target's
+    vocabulary, ``qkv_bias`` and ``attention_bias`` as the tensors have them), the base model's name."""
     from ..heads.config import config_from_dict
     from ..heads.eagle3 import layer_config
-    from ..zoo import load_config, resolve
+    from ..zoo import load_config
 
     name = _base_name(meta, base)
     target_config = load_config(name)
@@ -203,17 +216,92 @@ def _export_eagle1(folder: str | Path, meta: dict[str, Any], out: Path, base: st
     layer = layer_config(target_config, config_from_dict("eagle", meta["config"])).to_dict()
     layer.update(vocab_size=tc.vocab_size, hidden_act=getattr(tc, "hidden_act", "silu"),
                  qkv_bias=attn + "q_proj.bias" in tensors, attention_bias=attn + "o_proj.bias" in tensors)
-    check_tensors(tensors, eagle1_tensors(layer), "an EAGLE-1 drafter")
-    fc, h = tensors["fc.weight"], layer["hidden_size"]
-    tensors["fc.weight"] = torch.cat([fc[:, h:], fc[:, :h]], dim=1)  # [feature; embedding] -> [embedding; feature]
+    return tensors, layer, name
+
+
+def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: Path, dtype: torch.dtype) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _export_eagle1(folder: str | Path, meta: dict[str, Any], out: Path, base: str | None, dtype: torch.dtype) -> Path:
+    """vLLM's EAGLE-1 drafter: the layer renamed, ``fc``'s halves swapped, a Llama config with the target's shapes."""
+    from ..zoo import resolve
+
+    tensors, layer, name = _eagle_layer(folder, meta, base)
+    check_tensors(tensors, eagle1_tensors(layer), "an EAGLE-1 drafter")
+    fc, h = tensors["fc.weight"], layer["hidden_size"]
+    tensors["fc.weight"] = torch.cat([fc[:, h:], fc[:, :h]], dim=1)  # [feature; embedding] -> [embedding; feature]
     engine = _llama_fields(layer, "qkv_bias", "vocab_size")
     engine.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1,
-                  tie_word_embeddings=False, torch_dtype=str(dtype).removeprefix("torch."), base_model=resolve(name))
-    (out / "config.json").write_text(json.dumps(engine, indent=2) + "\n")
+                  tie_word_embeddings=False, base_model=resolve(name))
+    return _save(tensors, engine, out, dtype)
+
+
+MTP = "model.mtp_layers.0."
+
+
+def mtp_tensors(layer: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one MiMo MTP layer (vLLM's ``MiMoMTP``) holding a normed eagle head: its norms, ``fc`` as
+    ``input_proj``, a Qwen2 layer (q/k/v biases), ``final_layernorm``; the embedding and LM head come beside it."""
+    h = layer["hidden_size"]
+    eagle1 = eagle1_tensors({**layer, "qkv_bias": True})
+    out = {MTP + k.removeprefix("layers.0."): v for k, v in eagle1.items() if k != "fc.weight"}
+    out.update({MTP + "input_proj.weight": (h, 2 * h), MTP + "input_layernorm.weight": (h,),
+                MTP + "hidden_layernorm.weight": (h,), MTP + "token_layernorm.weight": (h,),
+                MTP + "final_layernorm.weight": (h,)})
     return out
+
+
+def target_intermediate(name: str) -> int:
+    """The base model's MLP width: vLLM builds an MTP layer from the target's own config."""
+    from ..zoo import load_config
+
+    return load_config(name).get_text_config().intermediate_size
+
+
+def _padded_mlp(tensors: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
+    """The MLP widened to ``width`` with zero rows (gate, up) and columns (down): silu(0) * 0 adds nothing, so the
+    layer computes what it did."""
+    mlp = MTP + "mlp."
+    gate, up, down = (tensors[mlp + k + "_proj.weight"] for k in ("gate", "up", "down"))
+    extra = width - gate.shape[0]
+    if extra < 0:
+        raise SelfspecError(f"the head's MLP ({gate.shape[0]}) is wider than the target's ({width}): vLLM's MTP layer "
+                            "takes the target's width")
+    rows = gate.new_zeros(extra, gate.shape[1])
+    return {mlp + "gate_proj.weight": torch.cat([gate, rows]), mlp + "up_proj.weight": torch.cat([up, rows]),
+            mlp + "down_proj.weight": torch.cat([down, down.new_zeros(down.shape[0], extra)], dim=1)}
+
+
+def _export_mtp(folder: str | Path, meta: dict[str, Any], out: Path, base: str | None, dtype: torch.dtype) -> Path:
+    """A normed eagle head as vLLM's MiMo MTP layer (method ``mtp``): the same computation, renamed."""
+    from ..zoo import _from_pretrained, resolve
+    from transformers import AutoModelForCausalLM
+
+    tensors, layer, name = _eagle_layer(folder, meta, base)
+    if layer["attention_bias"] or layer.get("mlp_bias"):
+        raise SelfspecError("vLLM's MTP layer (Qwen2's) has no o_proj or MLP biases; these heads carry them")
+    renames = {"feature_norm.weight": "hidden_layernorm.weight", "embed_norm.weight": "token_layernorm.weight",
+               "fc.weight": "input_proj.weight", "norm.weight": "final_layernorm.weight"}
+    mtp = {MTP + renames.get(k, k.removeprefix("layers.0.")): v for k, v in tensors.items()}
+    for p in ("q", "k", "v"):  # Qwen2's q/k/v always carry biases: a Llama layer's are zero
+        mtp.setdefault(f"{MTP}self_attn.{p}_proj.bias", torch.zeros(mtp[f"{MTP}self_attn.{p}_proj.weight"].shape[0]))
+    check_tensors(mtp, mtp_tensors(layer), "an MTP layer")
+    mtp.update(_padded_mlp(mtp, target_intermediate(name)))
+    layer["intermediate_size"] = target_intermediate(name)
+    target = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)  # vLLM's loader wants both (then shares)
+    mtp["model.embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
+    mtp["lm_head.weight"] = target.get_output_embeddings().weight.detach().clone()  # tied: a copy of its own
+    engine = _llama_fields(layer, "vocab_size")
+    engine.update(model_type="qwen2", architectures=["MiMoForCausalLM"], num_hidden_layers=1,
+                  num_nextn_predict_layers=1, use_sliding_window=False, tie_word_embeddings=False,
+                  base_model=resolve(name))
+    return _save(mtp, engine, out, dtype)
 
 
 def medusa_tensor_names(num_heads: int, num_layers: int) -> dict[str, str]:
@@ -257,6 +345,13 @@ def _export_medusa(folder: str | Path, meta: dict[str, Any], out: Path, base: st
     return out
 
 
+def misread_by_vllm(path: str | Path) -> bool:
+    """vLLM 0.32 names a drafter's method by its path before its config ('eagle-' anywhere: eagle): an MTP drafter
+    there would be built as EAGLE and fail."""
+    text = str(path).lower()
+    return any(word in text for word in ("eagle-", "eagle3", "dflash", "dspark"))
+
+
 def vllm_speculative_config(exported: str | Path, num_speculative_tokens: int = 3) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for a folder ``export_for_serving(..., "vllm")`` wrote: EAGLE-3 and EAGLE-1
     draft ``num_speculative_tokens``, Medusa one token per head."""
@@ -265,4 +360,19 @@ def vllm_speculative_config(exported: str | Path, num_speculative_tokens: int = 
         return {"method": "medusa", "model": str(exported), "num_speculative_tokens": config["num_heads"]}
     if config.get("architectures") == ["LlamaForCausalLM"]:  # EAGLE-1 (vLLM names it EagleLlamaForCausalLM)
         return {"method": "eagle", "model": str(exported), "num_speculative_tokens": num_speculative_tokens}
+    if config.get("architectures") == ["MiMoForCausalLM"]:  # one MTP layer, run num_speculative_tokens times
+        if misread_by_vllm(exported):
+            raise SelfspecError(f"vLLM would take {exported} for an EAGLE drafter by its path (it contains 'eagle-', "
+                                "'eagle3', 'dflash' or 'dspark'): export the MTP layout to a folder named otherwise")
+        return {"method": "mtp", "model": str(exported), "num_speculative_tokens": num_speculative_tokens}
     return {"method": "eagle3", "model": str(exported), "num_speculative_tokens": num_speculative_tokens}
+
+
+def vllm_serve_flags(exported: str | Path, num_speculative_tokens: int = 3) -> list[str]:
+    """``vllm serve TARGET`` flags that draft with ``exported``: the speculative config, and for an MTP layer the
+    target config's ``num_nextn_predict_layers`` (vLLM builds an MTP drafter from the target's config)."""
+    spec = vllm_speculative_config(exported, num_speculative_tokens)
+    flags = ["--speculative-config", json.dumps(spec)]
+    if spec["method"] == "mtp":
+        flags += ["--hf-overrides", json.dumps({"num_nextn_predict_layers": 1})]
+    return flags
