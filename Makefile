@@ -38,7 +38,7 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-# Exported heads in vLLM: the committed SmolLM2 eagle heads as vLLM's MTP layer, the Medusa heads in its Medusa
+# Exported heads in vLLM: the committed SmolLM2 eagle heads as two EAGLE-3 layers, the Medusa heads in its Medusa
 # layout and the experimental eagle3 heads in its EAGLE-3 layout, decoding held-out questions greedily beside plain
 # vLLM and transformers (identical outputs, vLLM's acceptance per draft position, tokens/s); about 6 minutes here.
 vllm-check: install vllm-env

@@ -1,8 +1,8 @@
 """selfspec export HEADS OUT --format vllm|sglang|speculators: eagle3 heads as the EAGLE-3 drafter a serving
-engine loads (config.json + model.safetensors; only the base model's config is read), eagle heads trained in EAGLE-1's
-layout (``--head-arg norms=false``) as vLLM's EAGLE-1 drafter (method ``eagle``), other eagle heads as vLLM's MTP
-layer (method ``mtp``; the same computation), or medusa heads as vLLM's Medusa drafter (the base model's LM head is
-copied in: vLLM's Medusa checkpoints carry it). For vllm it prints the ``vllm serve`` flags.
+engine loads (config.json + model.safetensors; only the base model's config is read); for vllm also eagle heads (as a
+two-layer EAGLE-3 drafter computing what the head does, ``--layout mtp``: as vLLM's MTP layer; trained with
+``--head-arg norms=false``: as vLLM's EAGLE-1 drafter) and medusa heads (the base model's LM head copied in, as
+vLLM's Medusa checkpoints carry it). For vllm it prints the ``vllm serve`` flags.
 
     selfspec export runs/smollm2-eagle3/heads exported/smollm2-eagle3 --format vllm
     vllm serve smollm2-135m-instruct-folder --speculative-config \\
@@ -26,7 +26,7 @@ HELP = ("write eagle3 heads in the layout vLLM, SGLang or speculators load (eagl
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The heads folder, the output folder, the format and what the config needs."""
-    from selfspec.checkpoint.serving import FORMATS
+    from selfspec.checkpoint.serving import EAGLE_LAYOUTS, FORMATS
 
     p.add_argument("folder", type=heads_folder,
                    help="a selfspec heads folder (eagle3; for vllm also eagle or medusa)")
@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=positive_int, default=3,
                    help="the proposal length in the speculators config and the printed vllm flags (default 3)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--layout", choices=EAGLE_LAYOUTS, default=None,
+                   help="eagle heads in vLLM: eagle3 (default: two EAGLE-3 layers drafting over the head's vocabulary) "
+                        "or mtp (vLLM's MTP layer: any rotary embedding, the whole vocabulary)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.checkpoint.serving import export_for_serving, vllm_serve_flags
 
     out = export_for_serving(args.folder, args.out, args.format, base=args.base,
-                             num_speculative_tokens=args.num_speculative_tokens, dtype=DTYPES[args.dtype])
+                             num_speculative_tokens=args.num_speculative_tokens, dtype=DTYPES[args.dtype],
+                             layout=args.layout)
     print(f"wrote {out}/config.json and {out}/model.safetensors ({args.format})")
     if args.format == "vllm":
         flags = vllm_serve_flags(out, args.num_speculative_tokens)

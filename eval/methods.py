@@ -175,16 +175,13 @@ def vllm_heads_client(name: str, folder: str, config: WorkerConfig | None, token
     """A worker drafting with the heads in ``folder``, exported for vLLM beside the bench's logs."""
     import tempfile
 
-    from selfspec.checkpoint import check_heads_folder
-    from selfspec.checkpoint.serving import export_for_serving, misread_by_vllm, vllm_method, vllm_speculative_config
+    from selfspec.checkpoint.serving import export_for_serving, vllm_speculative_config
 
     from .vllm_client import VllmClient
 
     if config is None:
         raise SelfspecError(f"method {name} needs the model folder and dtype for vLLM")
     where = Path(config.log_dir or tempfile.mkdtemp(prefix="selfspec-vllm-")) / f"export-{name[5:]}"
-    if vllm_method(check_heads_folder(folder)) == "mtp" and misread_by_vllm(where.resolve()):
-        where = Path(tempfile.mkdtemp(prefix="selfspec-vllm-")) / "drafter"  # vLLM would take it for EAGLE
     exported = export_for_serving(folder, where, "vllm", base=config.model)
     spec = vllm_speculative_config(exported, tokens)
     return VllmClient(replace(config, speculative=spec), name)

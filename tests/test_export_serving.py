@@ -130,6 +130,67 @@ def test_eagle1_export_computes_what_the_head_computes(tmp_path: Path, arch: str
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_normed_eagle_export_as_two_layer_eagle3_computes_what_the_head_computes(tmp_path: Path, arch: str) -> None:
+    """vLLM's EAGLE-3 drafter on the exported tensors, as vLLM computes it (no aux states, norm before residual,
+    normed output fed back): layer 0's attention over [norm(embedding); norm(feature)] sees only the token itself,
+    so the residual stream leaving it is fc's output; layer 1 is the head's layer. Rebuilt here by hand (layer 0) and
+    with transformers' Llama layer (layer 1), at positions far apart, against the head; the draft vocabulary's LM-head
+    rows and d2t in EAGLE-3's convention."""
+    from transformers import AutoModel, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    model = tiny_model(0, layers=3, arch=arch)
+    model.save_pretrained(tmp_path / "base")
+    heads = perturb(init_heads("eagle", model, intermediate_size=48, draft_vocab_size=40), 1, 0.1)
+    save_heads(heads, model, tmp_path / "heads", base_name=str(tmp_path / "base"))
+    out = export_for_serving(tmp_path / "heads", tmp_path / "out", "vllm", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    t = load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 2
+    assert config["eagle_config"] == {"use_aux_hidden_state": False}
+    assert config["norm_before_residual"] is True and config["norm_output"] is True and config["draft_vocab_size"] == 40
+    assert vllm_speculative_config(out, 4) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 4}
+    torch.testing.assert_close(t["d2t"] + torch.arange(40), heads.d2t)
+    torch.testing.assert_close(t["lm_head.weight"], model.get_output_embeddings().weight[heads.d2t])
+    lcfg = LlamaConfig(**{k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias",
+                                                  "max_position_embeddings", "rope_parameters")},
+                       num_hidden_layers=1, vocab_size=1, attn_implementation="eager")
+    heads_n, dim = lcfg.num_attention_heads, lcfg.head_dim
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + lcfg.rms_norm_eps) * w
+
+    def proj(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ t[f"layers.0.{name}.weight"].T + t.get(f"layers.0.{name}.bias", 0)
+
+    n = 24
+    f, tokens = torch.randn(1, n, 32) * 5, torch.randint(0, 64, (1, n))
+    embeds, pos = model.get_input_embeddings()(tokens), torch.arange(n)[None] * 37 + 90  # offsets up to 851
+    fn = rms(f, t["layers.0.hidden_norm.weight"])
+    x0 = torch.cat([rms(embeds, t["layers.0.input_layernorm.weight"]), fn], dim=-1)
+    q, k, v = (proj(x0, f"self_attn.{p}_proj").view(1, n, heads_n, dim).transpose(1, 2) for p in "qkv")
+    cos, sin = LlamaRotaryEmbedding(lcfg)(v, pos)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    scores = (q @ k.transpose(-1, -2) / dim ** 0.5).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -1e30)
+    assert torch.equal(scores.argmax(-1), torch.arange(n).expand(1, heads_n, n))  # each token sees itself
+    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n, heads_n * dim)
+    r = fn + proj(attn, "self_attn.o_proj")
+    xm = rms(r, t["layers.0.post_attention_layernorm.weight"])
+    r = r + proj(torch.nn.functional.silu(proj(xm, "mlp.gate_proj")) * proj(xm, "mlp.up_proj"), "mlp.down_proj")
+    engine = AutoModel.from_config(lcfg)
+    engine.layers[0].load_state_dict({k.removeprefix("layers.1."): v for k, v in t.items()
+                                      if k.startswith("layers.1.")})
+    engine.norm.weight.data.copy_(t["norm.weight"])
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]  # given: positions this sparse read as packed
+    got = engine(inputs_embeds=r, position_ids=pos, attention_mask=causal).last_hidden_state
+    heads.decoder.config._attn_implementation = "eager"
+    torch.testing.assert_close(got, heads(f, embeds, pos, attention_mask=causal), rtol=0, atol=1e-4)
+    with pytest.raises(SelfspecError, match="layout 'medusa' is for eagle heads"):
+        export_for_serving(tmp_path / "heads", tmp_path / "out2", "vllm", layout="medusa")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_normed_eagle_export_is_an_mtp_layer_computing_what_the_head_computes(tmp_path: Path, arch: str) -> None:
     """vLLM's MiMo MTP layer on the exported tensors, as vLLM builds it (from the target's config: its MLP width,
     Qwen2's q/k/v biases): input_proj over [hidden_layernorm(feature); token_layernorm(embedding)], the layer with
@@ -140,7 +201,7 @@ def test_normed_eagle_export_is_an_mtp_layer_computing_what_the_head_computes(tm
     model.save_pretrained(tmp_path / "base")
     heads = perturb(init_heads("eagle", model, intermediate_size=16, draft_vocab_size=40), 1, 0.1)
     save_heads(heads, model, tmp_path / "heads", base_name=str(tmp_path / "base"))
-    out = export_for_serving(tmp_path / "heads", tmp_path / "out", "vllm", dtype=torch.float32)
+    out = export_for_serving(tmp_path / "heads", tmp_path / "out", "vllm", dtype=torch.float32, layout="mtp")
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
     assert config["architectures"] == ["MiMoForCausalLM"] and config["num_nextn_predict_layers"] == 1
@@ -175,7 +236,7 @@ def test_normed_eagle_export_is_an_mtp_layer_computing_what_the_head_computes(tm
 
 def test_an_mtp_export_vllm_would_misread_is_refused(tmp_path: Path) -> None:
     folder, _, _ = saved(tmp_path, "eagle", 4)
-    out = export_for_serving(folder, tmp_path / "my-eagle-heads", "vllm")
+    out = export_for_serving(folder, tmp_path / "my-eagle-heads", "vllm", layout="mtp")
     with pytest.raises(SelfspecError, match="vLLM would take .* for an EAGLE drafter by its path"):
         vllm_speculative_config(out)
 
@@ -228,7 +289,7 @@ def test_export_command_prints_the_vllm_serve_flags(tmp_path: Path, capsys: pyte
     from selfspec_cli.main import main
 
     folder, _, _ = saved(tmp_path, "eagle", 2)
-    assert main(["export", str(folder), str(tmp_path / "out"), "--num-speculative-tokens", "2"]) == 0
+    assert main(["export", str(folder), str(tmp_path / "out"), "--num-speculative-tokens", "2", "--layout", "mtp"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     argv = shlex.split(line.removeprefix("serve it: "))
     assert argv[:3] == ["vllm", "serve", str(tmp_path / "base-2")]

@@ -164,23 +164,18 @@ def test_batch_sizes_are_timed_for_both_workers(fake_python):
     assert lines[0].startswith("| batch | vllm tok/s | vllm+eagle3 tok/s") and lines[3].startswith("| 4 | 16.00 | 16.00 | 1.00x")
 
 
-def test_vllm_with_normed_eagle_heads_drafts_with_an_mtp_layer(fake_python, monkeypatch, tmp_path):
-    """``vllm+eagle``: normed eagle heads go as vLLM's MTP layer; a log folder whose path vLLM would take for an
-    EAGLE drafter ('eagle-' in it) is avoided, so the method vLLM runs is the one asked for."""
+def test_vllm_with_normed_eagle_heads_drafts_as_eagle3(fake_python, monkeypatch, tmp_path):
+    """``vllm+<eagle heads>``: normed eagle heads go as vLLM's two-layer EAGLE-3 drafter (method eagle3)."""
     from selfspec.checkpoint import save_heads
-    from selfspec.checkpoint.serving import misread_by_vllm
     from selfspec.heads import init_heads
 
     monkeypatch.setenv(PYTHON_ENV, str(fake_python))
     target = tiny_model(0, vocab=64, layers=2)
     target.save_pretrained(tmp_path / "base")
     save_heads(init_heads("eagle", target), target, tmp_path / "heads", base_name=str(tmp_path / "base"))
-    for logs, where in ((tmp_path / "logs", tmp_path / "logs" / "export-mine"),
-                        (tmp_path / "run-eagle-heads", None)):
-        config = WorkerConfig(str(tmp_path / "base"), log_dir=str(logs))
-        (method,) = build_methods(["vllm+mine"], target, None, None, {"mine": str(tmp_path / "heads")},
-                                  vllm=config, vllm_spec_tokens=2)
-        spec = method.client.config.speculative
-        method.close()
-        assert spec["method"] == "mtp" and spec["num_speculative_tokens"] == 2 and not misread_by_vllm(spec["model"])
-        assert where is None or spec["model"] == str(where)
+    config = WorkerConfig(str(tmp_path / "base"), log_dir=str(tmp_path / "logs"))
+    (method,) = build_methods(["vllm+mine"], target, None, None, {"mine": str(tmp_path / "heads")},
+                              vllm=config, vllm_spec_tokens=2)
+    spec = method.client.config.speculative
+    method.close()
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "logs" / "export-mine"), "num_speculative_tokens": 2}

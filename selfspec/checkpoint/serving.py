@@ -18,17 +18,19 @@ leave missing ones uninitialised without an error, so the check has to be here).
                  ``norm_before_residual: false`` written out (the format's default is true), the verifier
                  and a greedy proposal of ``num_speculative_tokens``; ``vllm serve OUT`` alone serves it
 
-``eagle`` heads go to vLLM only. With their norms (the default) they are, tensor for tensor, the MTP layer vLLM
-runs for MiMo (``MiMoMTP``, method ``mtp``): ``hidden_layernorm`` (feature_norm), ``token_layernorm`` (embed_norm),
-``input_proj`` (fc, the same [feature; embedding] order), a Qwen2 decoder layer, ``final_layernorm``, the output fed
-back as the next feature. vLLM builds that layer from the *target's* config, so a Llama layer's q/k/v get zero
-biases, the MLP zero rows up to the target's width (nothing added either way), the target's config needs
-``num_nextn_predict_layers`` (``vllm_serve_flags``), and the embedding and LM head are copied in for vLLM's loader
-(it then shares the target's). ``eagle`` heads built with ``norms=False`` (EAGLE-1's layout) go as vLLM's
-``EagleLlamaForCausalLM`` (method ``eagle``): a one-layer Llama config (``qkv_bias`` where the layer's q/k/v carry biases, as Qwen2's do),
-``fc.weight`` with its two input halves swapped (vLLM concatenates [embedding; feature], selfspec [feature;
-embedding]) and the layer as ``layers.0.*``; the embedding and LM head are the target's, shared, and vLLM drafts
-over the whole vocabulary (``d2t`` stays behind).
+``eagle`` heads go to vLLM only. With their norms (the default) they go, by default, as vLLM's EAGLE-3 drafter
+with two layers computing what the head computes (``_export_eagle_as_eagle3``: no aux states, the head's draft
+vocabulary), or with ``layout="mtp"`` as the MTP layer vLLM runs for MiMo (``MiMoMTP``, method ``mtp``), which is
+the head tensor for tensor: ``hidden_layernorm`` (feature_norm), ``token_layernorm`` (embed_norm), ``input_proj``
+(fc, the same [feature; embedding] order), a Qwen2 decoder layer, ``final_layernorm``. vLLM builds that layer from
+the *target's* config, so a Llama layer's q/k/v get zero biases, the MLP zero rows up to the target's width
+(nothing added either way), the target's config needs ``num_nextn_predict_layers`` (``vllm_serve_flags``), and the
+embedding and LM head are copied in for vLLM's loader (it then shares the target's). ``eagle`` heads built with
+``norms=False`` (EAGLE-1's layout) go as vLLM's ``EagleLlamaForCausalLM`` (method ``eagle``): a one-layer Llama
+config (``qkv_bias`` where the layer's q/k/v carry biases, as Qwen2's do), ``fc.weight`` with its two input halves
+swapped (vLLM concatenates [embedding; feature], selfspec [feature; embedding]) and the layer as ``layers.0.*``;
+the embedding and LM head are the target's, shared, and vLLM drafts over the whole vocabulary (``d2t`` stays
+behind).
 
 ``medusa`` heads go to vLLM only (SGLang and speculators have no Medusa drafter): ``model_type: medusa``,
 ``blocks.{i}.layers.{j}.{weight,bias}`` (``medusa_fc_bias: true``), and the target's own LM head once as
@@ -142,23 +144,32 @@ def _engine_config(layer: dict[str, Any], aux: list[int], vocab: int, fmt: str, 
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
 
 
-def vllm_method(meta: dict[str, Any]) -> str | None:
-    """The vLLM drafter a heads folder's metadata exports to (its ``speculative_config`` method), or None."""
+EAGLE_LAYOUTS = ("eagle3", "mtp")  # where normed eagle heads go in vLLM; the first is the default
+
+
+def vllm_method(meta: dict[str, Any], layout: str | None = None) -> str | None:
+    """The vLLM drafter a heads folder's metadata exports to (its ``speculative_config`` method), or None;
+    ``layout`` picks one of ``EAGLE_LAYOUTS`` for normed eagle heads."""
     family = meta["family"]
+    normed_eagle = family == "eagle" and meta["config"].get("norms") is not False
+    if layout is not None and (not normed_eagle or layout not in EAGLE_LAYOUTS):
+        raise SelfspecError(f"layout '{layout}' is for eagle heads with their norms, one of {', '.join(EAGLE_LAYOUTS)}")
     if family == "eagle":
-        return "eagle" if meta["config"].get("norms") is False else "mtp"
+        return (layout or EAGLE_LAYOUTS[0]) if normed_eagle else "eagle"
     return family if family in ("eagle3", "medusa") else None
 
 
 def export_for_serving(folder: str | Path, out: str | Path, fmt: str = "vllm", base: str | None = None,
-                       num_speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the eagle3 heads in ``folder`` as an EAGLE-3 drafter ``fmt`` loads; returns ``out``."""
+                       num_speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16,
+                       layout: str | None = None) -> Path:
+    """Write the heads in ``folder`` as a drafter ``fmt`` loads (``layout``: see ``vllm_method``); returns ``out``."""
     if fmt not in FORMATS:
         raise SelfspecError(f"unknown export format '{fmt}'; choose one of {', '.join(FORMATS)}")
     meta = check_heads_folder(folder)
     family = meta["family"]
     if fmt == "vllm" and family != "eagle3":
-        export = {"medusa": _export_medusa, "eagle": _export_eagle1, "mtp": _export_mtp}.get(vllm_method(meta))
+        export = {"medusa": _export_medusa, "eagle": _export_eagle1, "mtp": _export_mtp,
+                  "eagle3": _export_eagle_as_eagle3}.get(vllm_method(meta, layout))
         if export is not None:
             return export(folder, meta, Path(out), base, dtype)
     if family != "eagle3":
@@ -221,8 +232,8 @@ def _eagle_layer(folder: str | Path, meta: dict[str, Any], base: str | None
 
 def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: Path, dtype: torch.dtype) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
@@ -302,6 +313,95 @@ def _export_mtp(folder: str | Path, meta: dict[str, Any], out: Path, base: str |
                   num_nextn_predict_layers=1, use_sliding_window=False, tie_word_embeddings=False,
                   base_model=resolve(name))
     return _save(mtp, engine, out, dtype)
+
+
+def self_attending(theta: float, head_dim: int, max_positions: int, margin_logit: float = 80.0
+                   ) -> tuple[torch.Tensor, float]:
+    """A query = key vector (head_dim,) whose rotary dot product at offset 0 beats every offset 1..max_positions by
+    ``margin_logit`` after the 1/sqrt(head_dim) scale: attention with it sees only the token itself (softmax weight
+    1 to float precision). Weight spread evenly over the k fastest rotary frequencies, k chosen for the widest gap
+    (about 0.1 of the offset-0 product for rotary bases 1e4-1e6); returns the vector and that gap."""
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
+    offsets = torch.arange(1, max_positions + 1, dtype=torch.float64)[:, None]
+    best = (0.0, 1)
+    for k in range(1, half + 1):
+        gap = 1 - torch.cos(offsets * freqs[:k]).mean(1).max().item()
+        best = max(best, (gap, k))
+    gap, k = best
+    scale = (margin_logit * head_dim ** 0.5 / gap) ** 0.5  # |q|^2 gap / sqrt(d) = margin_logit
+    pair = torch.zeros(half, dtype=torch.float64)
+    pair[:k] = (scale * scale / (2 * k)) ** 0.5  # each rotary pair (i, i + half) carries 1/k of |q|^2
+    return torch.cat([pair, pair]).float(), gap
+
+
+def _repeat_kv(t: torch.Tensor, groups: int, head_dim: int) -> torch.Tensor:
+    """A GQA layer's k or v rows (weight or bias) with each key/value head repeated for its ``groups`` query heads."""
+    return t.reshape(-1, head_dim, *t.shape[1:]).repeat_interleave(groups, 0).reshape(-1, *t.shape[1:])
+
+
+def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path, base: str | None,
+                            dtype: torch.dtype) -> Path:
+    """A normed eagle head as vLLM's EAGLE-3 drafter with two layers (method ``eagle3``, the head's draft vocabulary).
+
+    vLLM's EAGLE-3 layer 0 attends over [norm(embedding); norm(feature)] and adds the normed feature to the
+    residual stream. Here its attention sees only the token itself (query = key from biases, ``self_attending``),
+    its values are [W_e, W_f - I] over that input and its o_proj the identity, its MLP zero, so the residual stream
+    leaving it is fc's output, W_f norm(f) + W_e norm(e); layer 1 is the head's own layer (key/value heads repeated
+    to one per query head, as layer 0 needs), the final norm the head's, fed back normed (``norm_output``).
+    """
+    from ..zoo import _from_pretrained, load_config, resolve
+    from transformers import AutoModelForCausalLM
+
+    tensors, layer, name = _eagle_layer(folder, meta, base)
+    tc = load_config(name).get_text_config()
+    rope = (layer.get("rope_parameters") or {})
+    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+        raise SelfspecError(f"the EAGLE-3 layout needs plain rotary embeddings; {name} uses {rope}: export "
+                            "layout='mtp'")
+    h, heads, kv = layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"]
+    dim = layer.get("head_dim") or h // heads
+    if heads * dim < h or layer["attention_bias"] or layer.get("mlp_bias"):
+        raise SelfspecError("the EAGLE-3 layout needs heads x head_dim >= hidden size and no o_proj or MLP biases: "
+                            "export layout='mtp'")
+    fc = tensors.pop("fc.weight")
+    w_f, w_e = fc[:, :h].float(), fc[:, h:].float()
+    values = torch.zeros(heads * dim, 2 * h)
+    values[:h] = torch.cat([w_e, w_f - torch.eye(h)], dim=1)  # input order [embedding; feature]
+    qk, _ = self_attending(rope["rope_theta"], dim, layer["max_position_embeddings"])
+    inter = layer["intermediate_size"]
+    zero = torch.zeros
+    out_tensors = {
+        "layers.0.input_layernorm.weight": tensors.pop("embed_norm.weight"),
+        "layers.0.hidden_norm.weight": tensors.pop("feature_norm.weight"),
+        "layers.0.self_attn.q_proj.weight": zero(heads * dim, 2 * h),
+        "layers.0.self_attn.q_proj.bias": qk.repeat(heads),
+        "layers.0.self_attn.k_proj.weight": zero(heads * dim, 2 * h),
+        "layers.0.self_attn.k_proj.bias": qk.repeat(heads),
+        "layers.0.self_attn.v_proj.weight": values, "layers.0.self_attn.v_proj.bias": zero(heads * dim),
+        "layers.0.self_attn.o_proj.weight": torch.eye(h, heads * dim), "layers.0.self_attn.o_proj.bias": zero(h),
+        "layers.0.post_attention_layernorm.weight": torch.ones(h),
+        "layers.0.mlp.gate_proj.weight": zero(inter, h), "layers.0.mlp.up_proj.weight": zero(inter, h),
+        "layers.0.mlp.down_proj.weight": zero(h, inter),
+        "norm.weight": tensors.pop("norm.weight"),
+    }
+    attn = "layers.0.self_attn."
+    for k, v in tensors.items():  # the head's layer, as layer 1
+        if k.startswith((attn + "k_proj", attn + "v_proj")):
+            v = _repeat_kv(v, heads // kv, dim)
+        out_tensors["layers.1." + k.removeprefix("layers.0.")] = v
+    for p, rows in (("q", heads * dim), ("k", heads * dim), ("v", heads * dim), ("o", h)):
+        out_tensors.setdefault(f"layers.1.self_attn.{p}_proj.bias", zero(rows))
+    d2t = read_tensors(folder)["d2t"]
+    target = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
+    out_tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach()[d2t].clone()
+    out_tensors["d2t"] = d2t - torch.arange(d2t.numel())  # EAGLE-3's convention: target id - draft id
+    engine = _llama_fields(layer, "vocab_size")
+    engine.update(model_type="llama", architectures=[ARCHITECTURE], num_hidden_layers=2, num_key_value_heads=heads,
+                  head_dim=dim, attention_bias=True, draft_vocab_size=d2t.numel(), vocab_size=tc.vocab_size,
+                  target_hidden_size=h, tie_word_embeddings=False, norm_before_residual=True, norm_output=True,
+                  eagle_config={"use_aux_hidden_state": False}, base_model=resolve(name))
+    return _save(out_tensors, engine, out, dtype)
 
 
 def medusa_tensor_names(num_heads: int, num_layers: int) -> dict[str, str]:
