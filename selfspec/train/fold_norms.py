@@ -51,7 +51,8 @@ def calibrate(heads: nn.Module, target: nn.Module, batches) -> NormScales:
     as training gives them): the heads run teacher-forced on every pair, their norms' inputs recorded."""
     _check(heads)
     layer, seen, sums, posts = heads.decoder.layers[0], {}, {}, []
-    hooks = [layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: seen.__setitem__("r", i[0])),
+    hooks = [heads.fc.register_forward_hook(lambda m, i, o: seen.__setitem__("x", o)),
+             layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: seen.__setitem__("r", i[0])),
              heads.decoder.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("y", i[0]))]
     try:
         for batch in batches:
@@ -59,9 +60,8 @@ def calibrate(heads: nn.Module, target: nn.Module, batches) -> NormScales:
             e = target.get_input_embeddings()(batch["input_ids"][:, 1:]).float()
             pos = torch.arange(f.shape[1], device=f.device)[None].expand(f.shape[0], -1)
             heads(f, e, pos)
-            x = heads.fc(torch.cat([heads.feature_norm(f), heads.embed_norm(e)], dim=-1))
             keep = batch["loss_mask"][:, 1:].bool()
-            for key, u in (("f", f), ("e", e), ("x", x), ("y", seen["y"])):
+            for key, u in (("f", f), ("e", e), ("x", seen["x"]), ("y", seen["y"])):
                 u = u[keep].float()
                 n2 = u.pow(2).sum(-1)
                 a, b = sums.get(key, (0.0, 0.0))
