@@ -188,6 +188,9 @@ def test_normed_eagle_export_as_two_layer_eagle3_computes_what_the_head_computes
     torch.testing.assert_close(got, heads(f, embeds, pos, attention_mask=causal), rtol=0, atol=1e-4)
     with pytest.raises(SelfspecError, match="layout 'medusa' is for eagle heads"):
         export_for_serving(tmp_path / "heads", tmp_path / "out2", "vllm", layout="medusa")
+    save_heads(init_heads("eagle", model), model, tmp_path / "full", base_name=str(tmp_path / "base"))  # 64 of 64
+    full = load_file(str(export_for_serving(tmp_path / "full", tmp_path / "out-full", "vllm") / "model.safetensors"))
+    assert "d2t" not in full and full["lm_head.weight"].shape == (64, 32)  # vLLM maps no ids for the whole vocabulary
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -303,8 +303,8 @@ def _export_mtp(folder: str | Path, meta: dict[str, Any], out: Path, base: str |
     for p in ("q", "k", "v"):  # Qwen2's q/k/v always carry biases: a Llama layer's are zero
         mtp.setdefault(f"{MTP}self_attn.{p}_proj.bias", torch.zeros(mtp[f"{MTP}self_attn.{p}_proj.weight"].shape[0]))
     check_tensors(mtp, mtp_tensors(layer), "an MTP layer")
-    mtp.update(_padded_mlp(mtp, target_intermediate(name)))
     layer["intermediate_size"] = target_intermediate(name)
+    mtp.update(_padded_mlp(mtp, layer["intermediate_size"]))
     target = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)  # vLLM's loader wants both (then shares)
     mtp["model.embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
     mtp["lm_head.weight"] = target.get_output_embeddings().weight.detach().clone()  # tied: a copy of its own
@@ -355,8 +355,9 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
 
     tensors, layer, name = _eagle_layer(folder, meta, base)
     tc = load_config(name).get_text_config()
-    rope = (layer.get("rope_parameters") or {})
-    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+    rope = layer.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", layer.get("rope_theta"))
+    if rope.get("rope_type", "default") != "default" or theta is None:
         raise SelfspecError(f"the EAGLE-3 layout needs plain rotary embeddings; {name} uses {rope}: export "
                             "layout='mtp'")
     h, heads, kv = layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"]
@@ -368,7 +369,10 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
     w_f, w_e = fc[:, :h].float(), fc[:, h:].float()
     values = torch.zeros(heads * dim, 2 * h)
     values[:h] = torch.cat([w_e, w_f - torch.eye(h)], dim=1)  # input order [embedding; feature]
-    qk, _ = self_attending(rope["rope_theta"], dim, layer["max_position_embeddings"])
+    qk, gap = self_attending(theta, dim, layer["max_position_embeddings"])
+    if gap < 0.02:  # the query would have to be so long that bf16 rounding could move the attention
+        raise SelfspecError(f"no query attends to itself alone over {layer['max_position_embeddings']} positions "
+                            f"with rotary base {theta} (gap {gap:.3f}): export layout='mtp'")
     inter = layer["intermediate_size"]
     zero = torch.zeros
     out_tensors = {
@@ -395,7 +399,8 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
     d2t = read_tensors(folder)["d2t"]
     target = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
     out_tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach()[d2t].clone()
-    out_tensors["d2t"] = d2t - torch.arange(d2t.numel())  # EAGLE-3's convention: target id - draft id
+    if d2t.numel() < tc.vocab_size:  # vLLM maps draft ids only for a smaller vocabulary
+        out_tensors["d2t"] = d2t - torch.arange(d2t.numel())  # EAGLE-3's convention: target id - draft id
     engine = _llama_fields(layer, "vocab_size")
     engine.update(model_type="llama", architectures=[ARCHITECTURE], num_hidden_layers=2, num_key_value_heads=heads,
                   head_dim=dim, attention_bias=True, draft_vocab_size=d2t.numel(), vocab_size=tc.vocab_size,
