@@ -237,6 +237,21 @@ def test_normed_eagle_export_is_an_mtp_layer_computing_what_the_head_computes(tm
     torch.testing.assert_close(got, heads(f, embeds, pos), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["eagle3", "mtp"])
+def test_a_head_whose_layer_is_not_llamas_is_refused(tmp_path: Path, layout: str) -> None:
+    """A Qwen3 target's layer carries q/k norms, which the Llama (EAGLE-3) and Qwen2 (MTP) layers vLLM builds lack:
+    one line naming them, nothing written."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
+    model.save_pretrained(tmp_path / "base")
+    save_heads(init_heads("eagle", model), model, tmp_path / "heads", base_name=str(tmp_path / "base"))
+    with pytest.raises(SelfspecError, match="unexpected .*q_norm"):
+        export_for_serving(tmp_path / "heads", tmp_path / "out", "vllm", layout=layout)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_mtp_export_vllm_would_misread_is_refused(tmp_path: Path) -> None:
     folder, _, _ = saved(tmp_path, "eagle", 4)
     out = export_for_serving(folder, tmp_path / "my-eagle-heads", "vllm", layout="mtp")

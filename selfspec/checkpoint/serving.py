@@ -366,6 +366,9 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
         raise SelfspecError("the EAGLE-3 layout needs heads x head_dim >= hidden size and no o_proj or MLP biases: "
                             "export layout='mtp'")
     fc = tensors.pop("fc.weight")
+    norms = {k: tensors.pop(k) for k in ("embed_norm.weight", "feature_norm.weight", "norm.weight")}
+    llama = {k: v for k, v in eagle1_tensors(layer).items() if k != "fc.weight"}
+    check_tensors(tensors, {**llama, "layers.0.input_layernorm.weight": (h,)}, "the Llama layer vLLM's EAGLE-3 drafter builds")
     w_f, w_e = fc[:, :h].float(), fc[:, h:].float()
     values = torch.zeros(heads * dim, 2 * h)
     values[:h] = torch.cat([w_e, w_f - torch.eye(h)], dim=1)  # input order [embedding; feature]
@@ -376,8 +379,8 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
     inter = layer["intermediate_size"]
     zero = torch.zeros
     out_tensors = {
-        "layers.0.input_layernorm.weight": tensors.pop("embed_norm.weight"),
-        "layers.0.hidden_norm.weight": tensors.pop("feature_norm.weight"),
+        "layers.0.input_layernorm.weight": norms["embed_norm.weight"],
+        "layers.0.hidden_norm.weight": norms["feature_norm.weight"],
         "layers.0.self_attn.q_proj.weight": zero(heads * dim, 2 * h),
         "layers.0.self_attn.q_proj.bias": qk.repeat(heads),
         "layers.0.self_attn.k_proj.weight": zero(heads * dim, 2 * h),
@@ -387,7 +390,7 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
         "layers.0.post_attention_layernorm.weight": torch.ones(h),
         "layers.0.mlp.gate_proj.weight": zero(inter, h), "layers.0.mlp.up_proj.weight": zero(inter, h),
         "layers.0.mlp.down_proj.weight": zero(h, inter),
-        "norm.weight": tensors.pop("norm.weight"),
+        "norm.weight": norms["norm.weight"],
     }
     attn = "layers.0.self_attn."
     for k, v in tensors.items():  # the head's layer, as layer 1
