@@ -126,16 +126,18 @@ def test_worker_imports_nothing_from_selfspec():
     assert not {m for m in modules if m.split(".")[0] in ("selfspec", "selfspec_eval", "torch", "transformers")}
 
 
-def test_vllm_with_exported_heads(fake_python, monkeypatch, tmp_path):
+@pytest.mark.parametrize("family", ["eagle3", "eagle"])
+def test_vllm_with_exported_heads(fake_python, monkeypatch, tmp_path, family):
     """``vllm+eagle3``: the heads exported beside the logs, the worker drafting with them, vLLM's per-position
-    counters read as selfspec's per-depth acceptance."""
+    counters read as selfspec's per-depth acceptance. Normed eagle heads go as vLLM's EAGLE-3 drafter too (two
+    layers)."""
     from selfspec.checkpoint import save_heads
     from selfspec.heads import init_heads
 
     monkeypatch.setenv(PYTHON_ENV, str(fake_python))
     target = tiny_model(0, vocab=64, layers=4)
     target.save_pretrained(tmp_path / "base")
-    save_heads(init_heads("eagle3", target), target, tmp_path / "heads", base_name=str(tmp_path / "base"))
+    save_heads(init_heads(family, target), target, tmp_path / "heads", base_name=str(tmp_path / "base"))
     config = WorkerConfig(str(tmp_path / "base"), log_dir=str(tmp_path / "logs"))
     (method,) = build_methods(["vllm+eagle3"], target, None, None, {"eagle3": str(tmp_path / "heads")},
                               vllm=config, vllm_spec_tokens=4)
@@ -162,20 +164,3 @@ def test_batch_sizes_are_timed_for_both_workers(fake_python):
     assert rows[1]["tokens"] == [16, 16] and rows[1]["seconds"] == [1.0, 1.0]  # 4 prompts x 2 tokens x 2 rounds
     lines = table(rows, "vllm+eagle3").splitlines()
     assert lines[0].startswith("| batch | vllm tok/s | vllm+eagle3 tok/s") and lines[3].startswith("| 4 | 16.00 | 16.00 | 1.00x")
-
-
-def test_vllm_with_normed_eagle_heads_drafts_as_eagle3(fake_python, monkeypatch, tmp_path):
-    """``vllm+<eagle heads>``: normed eagle heads go as vLLM's two-layer EAGLE-3 drafter (method eagle3)."""
-    from selfspec.checkpoint import save_heads
-    from selfspec.heads import init_heads
-
-    monkeypatch.setenv(PYTHON_ENV, str(fake_python))
-    target = tiny_model(0, vocab=64, layers=2)
-    target.save_pretrained(tmp_path / "base")
-    save_heads(init_heads("eagle", target), target, tmp_path / "heads", base_name=str(tmp_path / "base"))
-    config = WorkerConfig(str(tmp_path / "base"), log_dir=str(tmp_path / "logs"))
-    (method,) = build_methods(["vllm+mine"], target, None, None, {"mine": str(tmp_path / "heads")},
-                              vllm=config, vllm_spec_tokens=2)
-    spec = method.client.config.speculative
-    method.close()
-    assert spec == {"method": "eagle3", "model": str(tmp_path / "logs" / "export-mine"), "num_speculative_tokens": 2}
