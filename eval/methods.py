@@ -175,7 +175,7 @@ def vllm_heads_client(name: str, folder: str, config: WorkerConfig | None, token
     """A worker drafting with the heads in ``folder``, exported for vLLM beside the bench's logs."""
     import tempfile
 
-    from selfspec.checkpoint.serving import export_for_serving, vllm_speculative_config
+    from selfspec.checkpoint.serving import export_for_serving, vllm_speculative_config, vllm_target_overrides
 
     from .vllm_client import VllmClient
 
@@ -184,4 +184,4 @@ def vllm_heads_client(name: str, folder: str, config: WorkerConfig | None, token
     where = Path(config.log_dir or tempfile.mkdtemp(prefix="selfspec-vllm-")) / f"export-{name[5:]}"
     exported = export_for_serving(folder, where, "vllm", base=config.model)
     spec = vllm_speculative_config(exported, tokens)
-    return VllmClient(replace(config, speculative=spec), name)
+    return VllmClient(replace(config, speculative=spec, hf_overrides=vllm_target_overrides(spec)), name)

@@ -69,6 +69,7 @@ class WorkerConfig:
     model: str
     dtype: str = "bfloat16"
     speculative: dict | None = None  # vllm.LLM(speculative_config=...)
+    hf_overrides: dict | None = None  # vllm.LLM(hf_overrides=...): what the drafter needs the target's config to say
     threads: int = 0  # OpenMP threads (0: one per core)
     start_timeout_s: float = 900.0  # loading; a 1.5B model took ~1 minute here
     log_dir: str | None = None  # where <method>.log (the worker's stderr) goes; None: a temporary file
@@ -76,7 +77,8 @@ class WorkerConfig:
     def argv(self) -> list[str]:
         """The worker's command-line options."""
         out = ["--model", self.model, "--dtype", self.dtype, "--threads", str(self.threads)]
-        return out + (["--speculative-config", json.dumps(self.speculative)] if self.speculative else [])
+        out += ["--speculative-config", json.dumps(self.speculative)] if self.speculative else []
+        return out + (["--hf-overrides", json.dumps(self.hf_overrides)] if self.hf_overrides else [])
 
 
 class VllmClient:

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a local model folder (transformers layout)")
     p.add_argument("--dtype", default="bfloat16", help="torch dtype name: float32, bfloat16, float16")
     p.add_argument("--speculative-config", default="", help="JSON for vllm.LLM(speculative_config=...); empty: none")
+    p.add_argument("--hf-overrides", default="", help="JSON for vllm.LLM(hf_overrides=...): the target's config")
     p.add_argument("--threads", type=int, default=0, help="OpenMP threads (0: one per core)")
     p.add_argument("--max-model-len", type=int, default=-1,
                    help="longest prompt + output (-1: the model's, or what VLLM_CPU_KVCACHE_SPACE holds)")
@@ -86,8 +87,7 @@ def load(args: argparse.Namespace):
     from vllm import LLM
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
-    # vLLM builds an MTP drafter from the target's config, which must then say it has one MTP layer
-    overrides = {"num_nextn_predict_layers": 1} if spec and spec.get("method") == "mtp" else None
+    overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
     return LLM(model=args.model, dtype=args.dtype, enforce_eager=not args.compile, speculative_config=spec,
                max_model_len=args.max_model_len, seed=0, disable_log_stats=spec is None, hf_overrides=overrides)
 

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from conftest import perturb, tiny_model
 from selfspec.checkpoint import save_heads
-from selfspec.checkpoint.serving import expected_tensors, export_for_serving, vllm_speculative_config
+from selfspec.checkpoint.serving import (expected_tensors, export_for_serving, vllm_speculative_config,
+                                         vllm_target_overrides)
 from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads
 
@@ -209,6 +210,7 @@ def test_normed_eagle_export_is_an_mtp_layer_computing_what_the_head_computes(tm
     tensors = load_file(str(out / "model.safetensors"))
     assert config["architectures"] == ["MiMoForCausalLM"] and config["num_nextn_predict_layers"] == 1
     assert vllm_speculative_config(out, 4) == {"method": "mtp", "model": str(out), "num_speculative_tokens": 4}
+    assert vllm_target_overrides(vllm_speculative_config(out)) == {"num_nextn_predict_layers": 1}
     torch.testing.assert_close(tensors["model.embed_tokens.weight"], model.get_input_embeddings().weight)
     torch.testing.assert_close(tensors["lm_head.weight"], model.get_output_embeddings().weight)
     mtp = {k.removeprefix("model.mtp_layers.0."): v for k, v in tensors.items() if k.startswith("model.mtp_layers.0.")}

@@ -64,6 +64,13 @@ def test_client_round_trips_ids_and_tokens(fake_python):
     assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--threads") + 1] == "2"
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == spec
     assert "--speculative-config" not in WorkerConfig("m").argv()
+    overrides = {"num_nextn_predict_layers": 1}  # an MTP drafter's (vllm_target_overrides)
+    argv = WorkerConfig("m", hf_overrides=overrides).argv()
+    assert json.loads(argv[argv.index("--hf-overrides") + 1]) == overrides
+    assert "--hf-overrides" not in WorkerConfig("m").argv()
+    from selfspec_eval.vllm_worker import build_parser
+
+    assert json.loads(build_parser().parse_args(argv).hf_overrides) == overrides
 
 
 def test_a_batch_goes_to_the_worker_as_one_request(fake_python):

@@ -212,9 +212,10 @@ def eagle1_tensors(layer: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _eagle_layer(folder: str | Path, meta: dict[str, Any], base: str | None
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
-    """An eagle heads folder's tensors (``decoder.`` dropped, no ``d2t``), its layer's config as a dict (the target's
-    vocabulary, ``qkv_bias`` and ``attention_bias`` as the tensors have them), the base model's name."""
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any], str, Any]:
+    """An eagle heads folder's tensors (``decoder.`` dropped) and its ``d2t``, its layer's config as a dict (the
+    target's vocabulary, ``qkv_bias`` and ``attention_bias`` as the tensors have them), the base model's name and
+    text config."""
     from ..heads.config import config_from_dict
     from ..heads.eagle3 import layer_config
     from ..zoo import load_config
@@ -222,12 +223,22 @@ def _eagle_layer(folder: str | Path, meta: dict[str, Any], base: str | None
     name = _base_name(meta, base)
     target_config = load_config(name)
     tc = target_config.get_text_config()
-    tensors = {k.removeprefix("decoder."): v for k, v in read_tensors(folder).items() if k != "d2t"}
+    tensors = {k.removeprefix("decoder."): v for k, v in read_tensors(folder).items()}
+    d2t = tensors.pop("d2t")
     attn = "layers.0.self_attn."
     layer = layer_config(target_config, config_from_dict("eagle", meta["config"])).to_dict()
     layer.update(vocab_size=tc.vocab_size, hidden_act=getattr(tc, "hidden_act", "silu"),
                  qkv_bias=attn + "q_proj.bias" in tensors, attention_bias=attn + "o_proj.bias" in tensors)
-    return tensors, layer, name
+    return tensors, d2t, layer, name, tc
+
+
+def _load_target(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The base model itself, for the embedding and LM head an engine's checkpoint carries."""
+    from transformers import AutoModelForCausalLM
+
+    from ..zoo import _from_pretrained
+
+    return _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
 
 
 def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: Path, dtype: torch.dtype) -> Path:
@@ -243,7 +254,7 @@ def _export_eagle1(folder: str | Path, meta: dict[str, Any], out: Path, base: st
     """vLLM's EAGLE-1 drafter: the layer renamed, ``fc``'s halves swapped, a Llama config with the target's shapes."""
     from ..zoo import resolve
 
-    tensors, layer, name = _eagle_layer(folder, meta, base)
+    tensors, _, layer, name, _ = _eagle_layer(folder, meta, base)
     check_tensors(tensors, eagle1_tensors(layer), "an EAGLE-1 drafter")
     fc, h = tensors["fc.weight"], layer["hidden_size"]
     tensors["fc.weight"] = torch.cat([fc[:, h:], fc[:, :h]], dim=1)  # [feature; embedding] -> [embedding; feature]
@@ -268,13 +279,6 @@ def mtp_tensors(layer: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def target_intermediate(name: str) -> int:
-    """The base model's MLP width: vLLM builds an MTP layer from the target's own config."""
-    from ..zoo import load_config
-
-    return load_config(name).get_text_config().intermediate_size
-
-
 def _padded_mlp(tensors: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
     """The MLP widened to ``width`` with zero rows (gate, up) and columns (down): silu(0) * 0 adds nothing, so the
     layer computes what it did."""
@@ -291,10 +295,9 @@ def _padded_mlp(tensors: dict[str, torch.Tensor], width: int) -> dict[str, torch
 
 def _export_mtp(folder: str | Path, meta: dict[str, Any], out: Path, base: str | None, dtype: torch.dtype) -> Path:
     """A normed eagle head as vLLM's MiMo MTP layer (method ``mtp``): the same computation, renamed."""
-    from ..zoo import _from_pretrained, resolve
-    from transformers import AutoModelForCausalLM
+    from ..zoo import resolve
 
-    tensors, layer, name = _eagle_layer(folder, meta, base)
+    tensors, _, layer, name, tc = _eagle_layer(folder, meta, base)
     if layer["attention_bias"] or layer.get("mlp_bias"):
         raise SelfspecError("vLLM's MTP layer (Qwen2's) has no o_proj or MLP biases; these heads carry them")
     renames = {"feature_norm.weight": "hidden_layernorm.weight", "embed_norm.weight": "token_layernorm.weight",
@@ -303,9 +306,9 @@ def _export_mtp(folder: str | Path, meta: dict[str, Any], out: Path, base: str |
     for p in ("q", "k", "v"):  # Qwen2's q/k/v always carry biases: a Llama layer's are zero
         mtp.setdefault(f"{MTP}self_attn.{p}_proj.bias", torch.zeros(mtp[f"{MTP}self_attn.{p}_proj.weight"].shape[0]))
     check_tensors(mtp, mtp_tensors(layer), "an MTP layer")
-    layer["intermediate_size"] = target_intermediate(name)
+    layer["intermediate_size"] = tc.intermediate_size  # vLLM builds the layer from the target's own config
     mtp.update(_padded_mlp(mtp, layer["intermediate_size"]))
-    target = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)  # vLLM's loader wants both (then shares)
+    target = _load_target(name, dtype)  # vLLM's loader wants both (then shares)
     mtp["model.embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
     mtp["lm_head.weight"] = target.get_output_embeddings().weight.detach().clone()  # tied: a copy of its own
     engine = _llama_fields(layer, "vocab_size")
@@ -350,11 +353,9 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
     leaving it is fc's output, W_f norm(f) + W_e norm(e); layer 1 is the head's own layer (key/value heads repeated
     to one per query head, as layer 0 needs), the final norm the head's, fed back normed (``norm_output``).
     """
-    from ..zoo import _from_pretrained, load_config, resolve
-    from transformers import AutoModelForCausalLM
+    from ..zoo import resolve
 
-    tensors, layer, name = _eagle_layer(folder, meta, base)
-    tc = load_config(name).get_text_config()
+    tensors, d2t, layer, name, tc = _eagle_layer(folder, meta, base)
     rope = layer.get("rope_parameters") or {}
     theta = rope.get("rope_theta", layer.get("rope_theta"))
     if rope.get("rope_type", "default") != "default" or theta is None:
@@ -368,7 +369,8 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
     fc = tensors.pop("fc.weight")
     norms = {k: tensors.pop(k) for k in ("embed_norm.weight", "feature_norm.weight", "norm.weight")}
     llama = {k: v for k, v in eagle1_tensors(layer).items() if k != "fc.weight"}
-    check_tensors(tensors, {**llama, "layers.0.input_layernorm.weight": (h,)}, "the Llama layer vLLM's EAGLE-3 drafter builds")
+    check_tensors(tensors, {**llama, "layers.0.input_layernorm.weight": (h,)},
+                  "the Llama layer vLLM's EAGLE-3 drafter builds")
     w_f, w_e = fc[:, :h].float(), fc[:, h:].float()
     values = torch.zeros(heads * dim, 2 * h)
     values[:h] = torch.cat([w_e, w_f - torch.eye(h)], dim=1)  # input order [embedding; feature]
@@ -399,9 +401,7 @@ def _export_eagle_as_eagle3(folder: str | Path, meta: dict[str, Any], out: Path,
         out_tensors["layers.1." + k.removeprefix("layers.0.")] = v
     for p, rows in (("q", heads * dim), ("k", heads * dim), ("v", heads * dim), ("o", h)):
         out_tensors.setdefault(f"layers.1.self_attn.{p}_proj.bias", zero(rows))
-    d2t = read_tensors(folder)["d2t"]
-    target = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
-    out_tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach()[d2t].clone()
+    out_tensors["lm_head.weight"] = _load_target(name, dtype).get_output_embeddings().weight.detach()[d2t].clone()
     if d2t.numel() < tc.vocab_size:  # vLLM maps draft ids only for a smaller vocabulary
         out_tensors["d2t"] = d2t - torch.arange(d2t.numel())  # EAGLE-3's convention: target id - draft id
     engine = _llama_fields(layer, "vocab_size")
@@ -420,10 +420,8 @@ def medusa_tensor_names(num_heads: int, num_layers: int) -> dict[str, str]:
 
 def _export_medusa(folder: str | Path, meta: dict[str, Any], out: Path, base: str | None, dtype: torch.dtype) -> Path:
     """vLLM's Medusa drafter: the residual blocks renamed, the target's LM head copied in once."""
-    from transformers import AutoModelForCausalLM
-
     from ..heads.config import config_from_dict
-    from ..zoo import _from_pretrained, resolve
+    from ..zoo import resolve
 
     name = _base_name(meta, base)
     config = config_from_dict("medusa", meta["config"])
@@ -432,8 +430,7 @@ def _export_medusa(folder: str | Path, meta: dict[str, Any], out: Path, base: st
     missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
     if missing or unexpected:
         raise SelfspecError(f"these tensors do not form Medusa heads: missing {missing}, unexpected {unexpected}")
-    target = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
-    head = target.get_output_embeddings()
+    head = _load_target(name, dtype).get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
         raise SelfspecError(f"{name} has no plain LM head (a linear layer without bias) for vLLM's Medusa drafter")
     hidden = head.weight.shape[1]
@@ -476,11 +473,14 @@ def vllm_speculative_config(exported: str | Path, num_speculative_tokens: int = 
     return {"method": "eagle3", "model": str(exported), "num_speculative_tokens": num_speculative_tokens}
 
 
+def vllm_target_overrides(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """What the target's config must add for the drafter ``spec`` (``hf_overrides``): vLLM builds an MTP drafter from
+    the target's config, which must then say it has one MTP layer."""
+    return {"num_nextn_predict_layers": 1} if spec["method"] == "mtp" else None
+
+
 def vllm_serve_flags(exported: str | Path, num_speculative_tokens: int = 3) -> list[str]:
-    """``vllm serve TARGET`` flags that draft with ``exported``: the speculative config, and for an MTP layer the
-    target config's ``num_nextn_predict_layers`` (vLLM builds an MTP drafter from the target's config)."""
+    """``vllm serve TARGET`` flags that draft with ``exported``: the speculative config and any target overrides."""
     spec = vllm_speculative_config(exported, num_speculative_tokens)
-    flags = ["--speculative-config", json.dumps(spec)]
-    if spec["method"] == "mtp":
-        flags += ["--hf-overrides", json.dumps({"num_nextn_predict_layers": 1})]
-    return flags
+    overrides = vllm_target_overrides(spec)
+    return ["--speculative-config", json.dumps(spec)] + (["--hf-overrides", json.dumps(overrides)] if overrides else [])
