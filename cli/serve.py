@@ -19,11 +19,12 @@ import sys
 from pathlib import Path
 
 from selfspec.options import (add_decoding_options, add_drafter_options, add_model_options, decode_config,
-                              load_target, positive_int)
+                              load_target, positive_float, positive_int)
 
 from .generate import build_drafter
 
 DEFAULT_MAX_BATCH = 16
+KEY_ENV = "SELFSPEC_API_KEY"
 HELP = "serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming, metrics)"
 
 
@@ -47,7 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-smoothing", action="store_true", help="send tokens as steps commit them, in bursts")
     g.add_argument("--graceful-timeout", type=positive_int, default=30,
                    help="on shutdown, seconds to let requests in flight finish before cancelling them")
-    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="info: one access-log line per request (id, status, tokens, TTFT, duration; no prompt text)")
+    g.add_argument("--log-prompts", action="store_true", help="put each request's prompt text in its access-log line")
+    g.add_argument("--request-timeout", type=positive_float, default=None, metavar="S",
+                   help="seconds a request may take from arrival; then it ends with a 408 error and frees its row "
+                        "(default: no limit)")
+    g.add_argument("--max-body-mib", type=positive_float, default=8, metavar="MIB",
+                   help="largest request body; larger ones get 413 (default: %(default)s)")
+    a = p.add_argument_group("access")
+    a.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (repeat for several keys; "
+                        f"default: the comma-separated keys in ${KEY_ENV}, else none: anyone who reaches the port)")
+    a.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
     p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup",
                    help="what drafts when no --heads are given (default: %(default)s)")
     add_model_options(p)
@@ -61,12 +74,17 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.batching import BatchEngine
     from selfspec.engine import DecodeConfig
     from selfspec.errors import SelfspecError
-    from selfspec.memory import free_memory
+    from selfspec.dtypes import dtype_name
+    from selfspec.memory import free_memory, model_dtype
 
     try:
         from selfspec.serve import ServerConfig, run as serve
     except ImportError as exc:  # before the model loads
         raise SelfspecError(f"serving needs {exc.name}: pip install 'selfspec[serve]'") from None
+    keys = api_keys(args)
+    if not keys and not is_loopback(args.host):
+        print(f"selfspec serve: warning: listening on {args.host} without an API key: anyone who reaches the port "
+              f"can use the model (--api-key KEY or ${KEY_ENV})", file=sys.stderr, flush=True)
     if args.target_pass in ("eager", "compiled"):
         raise SelfspecError(f"selfspec serve batches requests over the static pass; --target-pass {args.target_pass} "
                             "is for single requests (selfspec generate, bench)")
@@ -80,13 +98,35 @@ def run(args: argparse.Namespace) -> int:
     engine.calibrate()  # what passes of 1-64 tokens cost here: the draft budget's starting point
     config = ServerConfig(model_name=args.served_model_name or args.model, max_waiting=args.queue_size,
                           smooth=not args.no_smoothing, default_max_tokens=args.max_new_tokens,
-                          decode=decode_config(args))
+                          decode=decode_config(args), api_keys=keys, metrics_public=args.metrics_public,
+                          max_body=int(args.max_body_mib * 2**20), request_timeout=args.request_timeout,
+                          log_prompts=args.log_prompts)
     cache = f"{args.prefix_cache:g} MiB prefix cache" if engine.prefix is not None else "no prefix cache"
-    print(f"selfspec serve: {config.model_name} (batches of up to {engine.max_batch} x {engine.context:,} positions, "
-          f"{cache}, drafter {getattr(drafter, 'name', 'none')}) on http://{args.host}:{args.port}/v1", flush=True)
+    access = f"{len(keys)} API key{'s' if len(keys) > 1 else ''}" if keys else "no API key"
+    print(f"selfspec serve: {config.model_name} in {dtype_name(model_dtype(model))} (batches of up to "
+          f"{engine.max_batch} x {engine.context:,} positions, {cache}, drafter {getattr(drafter, 'name', 'none')}, "
+          f"{access}) on http://{args.host}:{args.port}/v1", flush=True)
     serve(engine, tokenizer, config, host=args.host, port=args.port, log_level=args.log_level,
           graceful_timeout=args.graceful_timeout)
     return 0
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key (repeated), else ``$SELFSPEC_API_KEY`` split at commas; empty: no key needed."""
+    keys = args.api_key if args.api_key else os.environ.get(KEY_ENV, "").split(",")
+    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 def max_batch(args: argparse.Namespace, model) -> int:

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     shapes, tokens, start = Counter(), 0, time.perf_counter()
     while engine.busy:
         tokens += sum(len(new) for _, new in engine.step())
-        shapes[(engine.last_rows, engine.last_drafted)] += 1
+        shapes[(engine.last_step.rows, engine.last_step.drafted)] += 1
     elapsed = time.perf_counter() - start
     print(f"{args.model}, {args.rows} requests at once, heads {args.heads or 'none'}, exact {engine.target.exact}: "
           f"{tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s, {sum(shapes.values())} steps")

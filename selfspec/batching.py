@@ -53,6 +53,16 @@ def default_context(config) -> int:
 
 
 @dataclass
+class StepStats:
+    """What one batched step did, once for all its rows (a request's own stats count the shared pass too)."""
+
+    rows: int = 0  # requests in the pass
+    drafted: int = 0  # draft tokens it verified, all rows together
+    draft_s: float = 0.0  # drafting every row's tree
+    pass_s: float = 0.0  # the one target pass
+
+
+@dataclass
 class Joining:
     """A request with a row, its prompt cached chunk by chunk."""
 
@@ -88,8 +98,7 @@ class BatchEngine:
         self.waiting: list[Request] = []
         self.joining: list[Joining] = []
         self.running: list[Request] = []
-        self.last_rows = 0  # requests in the last pass
-        self.last_drafted = 0  # draft tokens it verified (all rows)
+        self.last_step = StepStats()  # the last step that ran a pass
 
     @property
     def max_batch(self) -> int:
@@ -131,14 +140,16 @@ class BatchEngine:
         if not self.running:
             return []
         rows = self.running
+        t0 = time.perf_counter()
         trees = self._draft(rows)
+        draft_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         vers = self.target.verify_batch([(row.state.cache, tree) for row, tree in zip(rows, trees)],
                                         rows[0].need_hidden)
         sync_device(self.target.device)
         seconds = time.perf_counter() - t0
         self.budget.record(*self.target.last_shape, seconds)
-        self.last_rows, self.last_drafted = len(rows), sum(tree.size - 1 for tree in trees)
+        self.last_step = StepStats(len(rows), sum(tree.size - 1 for tree in trees), draft_s, seconds)
         out = []
         for row, tree, ver in zip(rows, trees, vers):
             out.append((row, row.advance(self.target, tree, ver, seconds)))
@@ -223,6 +234,7 @@ class BatchEngine:
         prompt is all cached starts decoding this step."""
         while self.waiting and self.target.free:
             req = self.waiting.pop(0)
+            req.join()
             job = Joining(req, self.target.new_cache(req.max_len))
             self._reuse(job)
             self.joining.append(job)

@@ -1,27 +1,46 @@
-"""Which dtype the target runs in: ``auto`` picks the fastest one the hardware computes natively.
+"""Which dtype the target runs in: ``auto`` picks the fastest one the hardware computes natively, once per machine.
 
     CUDA   bfloat16 where the GPU supports it, else float16
-    CPU    bfloat16 where the CPU has native bf16 instructions (avx512_bf16, amx_bf16; bf16 on Arm)
-           *and* a measured matmul of the model's shape is faster in bf16 than in float32; else float32
+    CPU    no native bf16 instructions: float32 (bf16 would be emulated, slower)
+           amx_bf16 (Intel AMX): bfloat16, settled by the flags
+           avx512_bf16 or Arm bf16 alone: measured once (a linear of the model's shape class, bf16 vs float32,
+           interleaved, one thread, fastest of several) with a margin in bf16's favour, the verdict cached on disk
 
-Measured on this project's 2-core AMD EPYC (avx512_bf16): a 1536 -> 8960 ``nn.Linear`` costs 9.5 ms for
-1 row and 12 ms for 64 in bf16, 7 ms for 1 row and 26 ms for 2 in fp32, so bf16 wins from 2 rows on
-(every speculative pass). On a CPU without native bf16 the same call is emulated and slower: fp32.
+The measured verdict lives under the cache root (``$SELFSPEC_HOME/dtype/``), keyed by the CPU model, its bf16
+flags, the torch version and the shape class, so every later process on this machine (``generate``, ``bench``,
+``serve``, ``demo``, training) reads the same answer whatever else is running then: a timing taken while
+another job used the cores could otherwise flip a server to float32 for its life. Delete the folder to measure
+again. Measured on this project's 2-core AMD EPYC (avx512_bf16): a 1536 -> 8960 ``nn.Linear`` costs 9.5 ms for
+1 row and 12 ms for 64 in bf16, 7 ms for 1 row and 26 ms for 2 in fp32, so bf16 wins from 2 rows on (every
+speculative pass).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
 import time
-from functools import lru_cache
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from .errors import SelfspecError
 from .packed_linear import linear, pack_weight
+from .paths import selfspec_home
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names on the command line
 DTYPE_CHOICES = ("auto", *DTYPES)
+BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # x86 AMX, x86 AVX-512, Arm
+MARGIN = 1.25  # measured: float32 only when bf16 is slower than this many times float32's time
+ROWS = (1, 16, 64)  # one plain step, one draft tree, a batched server's pass
+RULE = f"bfloat16 unless slower than {MARGIN}x float32 over rows {ROWS}"  # part of the cache key
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -29,55 +48,184 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU advertises bf16 arithmetic (x86 avx512_bf16 / amx_bf16, Arm bf16)."""
+@dataclass(frozen=True)
+class DtypeChoice:
+    """A dtype and where the decision came from (``bfloat16 (auto: native bf16, measured 2026-12-06, cached)``)."""
+
+    dtype: torch.dtype
+    why: str
+
+    def __str__(self) -> str:
+        return f"{dtype_name(self.dtype)} ({self.why})"
+
+
+# --- the CPU --------------------------------------------------------------------------------------------
+
+def _cpuinfo() -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no cheap way to tell, so stay with fp32
-        return False
-    flags = set()
-    for line in text.splitlines():
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no cheap way to tell
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``); empty where /proc/cpuinfo is missing."""
+    flags: set[str] = set()
+    for line in _cpuinfo().splitlines():
         if line.startswith(("flags", "Features")):
             flags.update(line.split(":", 1)[1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return flags
 
 
-def _linear_ms(dtype: torch.dtype, rows: int, hidden: int, out: int, reps: int = 5) -> float:
-    """Median ms of one linear of this shape, the weight packed as the static target pass packs it."""
-    w = torch.randn(out, hidden, dtype=dtype)
-    x = torch.randn(rows, hidden, dtype=dtype)
-    w = pack_weight(w) if torch.backends.mkldnn.is_available() else w
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        linear(x, w)
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[reps // 2] * 1e3
+def cpu_model() -> str:
+    """The CPU's model name as lscpu prints it (``AMD EPYC``), else the platform's processor string."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith(("model name", "Model Name", "Hardware")):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
-@lru_cache(maxsize=None)
-def bf16_is_faster_on_cpu(hidden: int = 1024, out: int = 4096) -> bool:
-    """A bf16 matmul of this shape beats fp32 at 1 and at 16 rows (one plain step, one draft tree) on this CPU."""
-    return all(_linear_ms(torch.bfloat16, rows, hidden, out) < _linear_ms(torch.float32, rows, hidden, out)
-               for rows in (1, 16))
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU advertises bf16 arithmetic (x86 avx512_bf16 / amx_bf16, Arm bf16)."""
+    return bool(cpu_flags() & set(BF16_FLAGS))
 
 
-def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu", config=None) -> torch.dtype:
-    """The dtype ``name`` means on ``device``; ``"auto"`` decides as the module docstring says.
+# --- the measurement ------------------------------------------------------------------------------------
 
-    ``config`` (the model's, optional) sizes the CPU measurement like the model's MLP.
+def shape_class(hidden: int, out: int) -> str:
+    """The measured linear's shape, rounded up to powers of two and capped: models alike share one verdict."""
+    up = lambda n, cap: min(cap, 2 ** math.ceil(math.log2(max(n, 1))))  # noqa: E731
+    return f"{up(hidden, 4096)}x{up(out, 16384)}"
+
+
+def measure_linear_ms(hidden: int, out: int, timer: Callable[[], float] = time.perf_counter,
+                      reps: int = 15) -> dict[str, float]:
+    """Fastest ms of a linear of this shape, packed as the static pass packs it, per dtype and rows
+    (``{"bfloat16@1": ..., "float32@16": ...}``), on one thread. The two dtypes alternate, so a busy neighbour
+    slows both alike, and the fastest of ``reps`` is the one least disturbed. One thread: what is compared is
+    the instructions' speed, and a lone thread's sub-millisecond call fits between a neighbour's time slices,
+    where threads that meet at a barrier each wait for theirs (2 threads beside two busy processes, AMD EPYC:
+    5-12 ms a call either dtype, the verdict a coin toss; 1 thread: bf16 0.27-0.29 ms, fp32 0.54-0.60 ms)."""
+    pack = torch.backends.mkldnn.is_available()
+    cases = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(out, hidden).to(dtype)
+        for rows in ROWS:
+            cases[f"{dtype_name(dtype)}@{rows}"] = (torch.randn(rows, hidden).to(dtype), pack_weight(w) if pack else w)
+    best = {name: math.inf for name in cases}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rep in range(reps + 1):
+            for name, (x, w) in cases.items():
+                start = timer()
+                linear(x, w)
+                if rep:  # the first round warms up
+                    best[name] = min(best[name], (timer() - start) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
+def bf16_wins(ms: dict[str, float]) -> bool:
+    """bf16 unless its time over ``ROWS`` exceeds float32's by more than ``MARGIN`` (bf16 halves the bytes read,
+    which a batched server and long contexts gain from beyond what one linear shows)."""
+    bf16 = sum(ms[f"bfloat16@{r}"] for r in ROWS)
+    fp32 = sum(ms[f"float32@{r}"] for r in ROWS)
+    return bf16 <= MARGIN * fp32
+
+
+# --- the cached verdict ---------------------------------------------------------------------------------
+
+def dtype_cache_dir() -> Path:
+    """Where measured verdicts live: ``$SELFSPEC_HOME/dtype``."""
+    return selfspec_home() / "dtype"
+
+
+def _cache_key(shape: str) -> dict[str, str]:
+    flags = ",".join(sorted(cpu_flags() & set(BF16_FLAGS)))
+    return {"cpu": cpu_model(), "bf16_flags": flags, "torch": torch.__version__, "shape": shape, "rule": RULE}
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (POSIX): two processes starting together measure once, and agree."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            import fcntl
+        except ImportError:  # Windows: no lock; the later writer wins
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _read(path: Path, key: dict[str, str]) -> dict | None:
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(entry, dict) and entry.get("key") == key and entry.get("dtype") in ("bfloat16", "float32")
+    return entry if ok else None
+
+
+def _write(path: Path, entry: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(entry, indent=1) + "\n")
+    os.replace(tmp, path)  # atomic: a reader sees the old verdict or the new one, never half a file
+
+
+def measured_cpu_dtype(hidden: int, out: int, timer: Callable[[], float] = time.perf_counter) -> DtypeChoice:
+    """The cached verdict for this CPU, torch and shape class; measured (and cached) when there is none."""
+    shape = shape_class(hidden, out)
+    key = _cache_key(shape)
+    path = dtype_cache_dir() / f"{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    with _locked(path.with_suffix(".lock")):
+        entry, cached = _read(path, key), True
+        if entry is None:
+            ms = measure_linear_ms(*map(int, shape.split("x")), timer=timer)
+            entry = {"key": key, "dtype": "bfloat16" if bf16_wins(ms) else "float32",
+                     "measured": datetime.date.today().isoformat(), "ms": {k: round(v, 4) for k, v in ms.items()}}
+            _write(path, entry)
+            cached = False
+    what = "native bf16" if entry["dtype"] == "bfloat16" else "bf16 measured slower"
+    return DtypeChoice(DTYPES[entry["dtype"]], f"auto: {what}, measured {entry['measured']}"
+                                              + (", cached" if cached else ""))
+
+
+# --- the decision ---------------------------------------------------------------------------------------
+
+def choose_dtype(name: str | torch.dtype, device: torch.device | str = "cpu", config=None) -> DtypeChoice:
+    """The dtype ``name`` means on ``device`` and why; ``"auto"`` decides as the module docstring says.
+
+    ``config`` (the model's, optional) picks the measured linear's shape class from its MLP.
     """
     if isinstance(name, torch.dtype):
-        return name
+        return DtypeChoice(name, "given")
     if name != "auto":
         if name not in DTYPES:
             raise SelfspecError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPE_CHOICES)}")
-        return DTYPES[name]
+        return DtypeChoice(DTYPES[name], f"--dtype {name}")
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type != "cpu" or not cpu_has_native_bf16():
-        return torch.float32
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice(torch.bfloat16, "auto: the GPU computes bf16")
+        return DtypeChoice(torch.float16, "auto: no bf16 on this GPU")
+    if device.type != "cpu":
+        return DtypeChoice(torch.float32, f"auto: {device.type}")
+    flags = cpu_flags()
+    if not flags & set(BF16_FLAGS):
+        return DtypeChoice(torch.float32, "auto: no native bf16 on this CPU")
+    if "amx_bf16" in flags:
+        return DtypeChoice(torch.bfloat16, "auto: native bf16 (amx_bf16)")
     hidden = getattr(config, "hidden_size", 1024)
-    out = getattr(config, "intermediate_size", 4 * hidden)
-    return torch.bfloat16 if bf16_is_faster_on_cpu(min(hidden, 4096), min(out, 16384)) else torch.float32
+    return measured_cpu_dtype(hidden, getattr(config, "intermediate_size", None) or 4 * hidden)
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu", config=None) -> torch.dtype:
+    """The dtype ``name`` means on ``device`` (:func:`choose_dtype` without the reason)."""
+    return choose_dtype(name, device, config).dtype

@@ -61,6 +61,7 @@ def _number(cast: type, ok: Callable[[float], bool], what: str) -> Callable[[str
 positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
 non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "a number >= 0")
+positive_float = _number(float, lambda v: 0 < v < math.inf, "a number > 0")
 probability = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 

@@ -151,7 +151,7 @@ class Request:
 
     def __init__(self, engine, prompt: torch.Tensor | list[int], cfg: DecodeConfig,
                  stats: GenerationStats | None = None) -> None:
-        self.started = time.perf_counter()
+        self.started = self.joined = time.perf_counter()
         self.cfg, self.stats = cfg, stats if stats is not None else GenerationStats()
         self.stats.dtype, self.stats.target_pass = dtype_name(model_dtype(engine.model)), engine.target.name
         self.stats.exact = bool(getattr(engine.target, "exact", False))
@@ -191,13 +191,18 @@ class Request:
         """The deepest draft this request may take now (a step commits at most depth + 1 tokens)."""
         return max(min(self.cfg.max_depth, self.room - 1, self.cfg.max_nodes - 1), 0)
 
+    def join(self) -> None:
+        """A batch gave this request a row: the time before was queueing, not prefill."""
+        self.joined = time.perf_counter()
+        self.stats.queue_s = self.joined - self.started
+
     def prefilled(self, state: DecodeState, hidden: tuple | None, target) -> None:
         """The target cached the prompt (``state``, the drafter's layers' states ``hidden``): the drafter starts."""
         self.state = state
         self.ctx = DraftContext(state.tokens, state.cache_len, hidden, target.draft_view(state.cache))
         self.dstate = self.drafter.start(self.ctx) if self.drafter is not None else None
         sync_device(self.device)
-        self.stats.prefill_s = time.perf_counter() - self.started
+        self.stats.prefill_s = time.perf_counter() - self.joined
 
     def draft(self, depth: int | None = None, node_cost=None) -> DraftTree:
         """This step's tree: at most ``depth`` deep (default: as deep as this request's own policy finds pays;

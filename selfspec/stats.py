@@ -23,7 +23,8 @@ class GenerationStats:
     target_pass: str = ""  # how the target ran: eager, static or compiled
     exact: bool = False  # every pass computed each row as a plain step does: output bit-identical to plain decoding
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not recomputed)
-    prefill_s: float = 0.0
+    queue_s: float = 0.0  # waiting for a row of a batch (0 for a request decoded alone)
+    prefill_s: float = 0.0  # from taking a row (or starting) to the prompt cached
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
@@ -59,8 +60,8 @@ class GenerationStats:
 
     @property
     def other_s(self) -> float:
-        """Time outside prefill, drafting and verification (acceptance, cache moves, bookkeeping)."""
-        return max(self.total_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
+        """Time outside the queue, prefill, drafting and verification (acceptance, cache moves, bookkeeping)."""
+        return max(self.total_s - self.queue_s - self.prefill_s - self.draft_s - self.verify_s, 0.0)
 
     @property
     def tokens_per_s(self) -> float:

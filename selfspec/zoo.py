@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 import zipfile
 from dataclasses import dataclass
@@ -252,15 +253,20 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: str
     """Load a causal LM and its tokenizer from a zoo name, a local folder or a hub id (eval mode).
 
     ``dtype``: a torch dtype, a name (``"bfloat16"``), or ``"auto"``: the fastest the device computes
-    natively (``selfspec.dtypes.resolve_dtype``); ``model.dtype`` tells which was chosen.
+    natively, decided once per machine (``selfspec.dtypes.choose_dtype``; the choice and its reason go to
+    stderr); ``model.dtype`` tells which was chosen.
     """
     from transformers import AutoModelForCausalLM
 
-    from .dtypes import resolve_dtype
+    from .dtypes import choose_dtype, resolve_dtype
 
     device = check_device(device)
     tokenizer = load_tokenizer(name_or_path)
-    dtype = resolve_dtype(dtype, device, load_config(name_or_path).get_text_config())
+    if dtype == "auto":
+        choice = choose_dtype(dtype, device, load_config(name_or_path).get_text_config())
+        print(f"selfspec: {name_or_path} in {choice}", file=sys.stderr, flush=True)
+        dtype = choice.dtype
+    dtype = resolve_dtype(dtype, device)  # a name checked and turned into a torch dtype
     model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=dtype)
     model.to(device).eval()
     model.requires_grad_(False)

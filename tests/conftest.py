@@ -4,8 +4,13 @@ settings, and the chi-square check of speculative sampling. Tests share code onl
 from __future__ import annotations
 
 import importlib.util
+import json
 import socket
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
@@ -206,3 +211,62 @@ def tree_path(tree, node: int) -> list[int]:
         out.append(int(tree.tokens[node]))
         node = tree.parents[node]
     return out[::-1]
+
+
+class Live:
+    """``selfspec serve``'s app over a tiny model, served by uvicorn in a thread on a free port."""
+
+    def __init__(self, model_name: str, batch: int = 4, **config) -> None:
+        import uvicorn
+
+        from selfspec.batching import BatchEngine
+        from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+        from selfspec.serve import ServerConfig, create_app
+
+        self.model_name = model_name
+        self.tokenizer = make_tokenizer()
+        model = tiny_model(3, vocab=len(self.tokenizer), hidden=32)
+        self.engine = BatchEngine(model, PromptLookupDrafter(), self.tokenizer, max_batch=batch, context=256)
+        self.app = create_app(self.engine, self.tokenizer, ServerConfig(model_name=model_name, **config))
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the server did not start")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def call(self, path: str, body: dict | bytes | None = None, headers: dict | None = None) -> tuple[int, str]:
+        data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def complete(self, prompt: str, stream: bool = False, headers: dict | None = None,
+                 **extra) -> tuple[int, str, str | None]:
+        """(status, text, finish_reason) of a greedy completion; a stream's pieces joined."""
+        status, raw = self.call("/v1/completions", {"model": self.model_name, "prompt": prompt, "max_tokens": 40,
+                                                    "temperature": 0, "stream": stream, **extra}, headers)
+        if status != 200:
+            return status, raw, None
+        if not stream:
+            choice = json.loads(raw)["choices"][0]
+            return status, choice["text"], choice["finish_reason"]
+        text, finish = "", None
+        for line in raw.splitlines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"]
+                if choice:
+                    text += choice[0]["text"]
+                    finish = choice[0]["finish_reason"] or finish
+        return status, text, finish

@@ -87,7 +87,7 @@ def test_every_row_equals_its_request_decoded_alone(arch: str, drafter: str) -> 
     while batch.busy:
         for req, new in batch.step():
             got[id(req)] += new
-        sizes.add(batch.last_rows)
+        sizes.add(batch.last_step.rows)
     assert [got[id(h)] for h in handles] == alone
     assert sizes >= {1, 2, 3}  # rows joined and left mid-way
     assert batch.target.free == 3 and not batch.target.claimed

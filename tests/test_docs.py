@@ -311,3 +311,9 @@ def test_the_check_accepts_real_commands(tmp_path: Path) -> None:
     assert [p for _, t in doc_commands(doc) for p in check_command(t)] == [
         "selfspec generate has no option --no-such-flag"]
     assert check_links(doc) == ["no/such/file.md: no such file"]
+
+
+def test_the_readme_stays_short() -> None:
+    """The front door: a newcomer reads it in one sitting; figures and long explanations live in the guides."""
+    words = len((ROOT / "README.md").read_text().split())
+    assert words <= 1800, f"README.md has {words} words; move detail into docs/ or eval/README.md"

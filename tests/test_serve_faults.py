@@ -6,16 +6,10 @@ work refused before a request needs them."""
 from __future__ import annotations
 
 import json
-import threading
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-from conftest import free_port, make_tokenizer, tiny_model
-from selfspec.batching import BatchEngine
-from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from conftest import Live, make_tokenizer, tiny_model
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.stopping import StopText, StopTokens
@@ -50,62 +44,9 @@ def test_stop_tokens_count_the_tokens_that_complete_a_stop_string() -> None:
 
 # --- a live in-process server ----------------------------------------------------------------------
 
-class Live:
-    """An app over a tiny model, served by uvicorn in a thread on a free port."""
-
-    def __init__(self, batch: int = 4, **config) -> None:
-        from selfspec.serve import ServerConfig, create_app
-
-        self.tokenizer = make_tokenizer()
-        model = tiny_model(3, vocab=len(self.tokenizer), hidden=32)
-        self.engine = BatchEngine(model, PromptLookupDrafter(), self.tokenizer, max_batch=batch, context=256)
-        self.app = create_app(self.engine, self.tokenizer, ServerConfig(model_name=MODEL, **config))
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return
-            time.sleep(0.05)
-        raise AssertionError("the server did not start")
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    def call(self, path: str, body: dict | None = None) -> tuple[int, str]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode()
-
-    def complete(self, prompt: str, stream: bool = False, **extra) -> tuple[int, str, str | None]:
-        """(status, text, finish_reason) of a greedy completion; a stream's pieces joined."""
-        status, raw = self.call("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 40,
-                                                    "temperature": 0, "stream": stream, **extra})
-        if status != 200:
-            return status, raw, None
-        if not stream:
-            choice = json.loads(raw)["choices"][0]
-            return status, choice["text"], choice["finish_reason"]
-        text, finish = "", None
-        for line in raw.splitlines():
-            if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"]
-                if choice:
-                    text += choice[0]["text"]
-                    finish = choice[0]["finish_reason"] or finish
-        return status, text, finish
-
-
 @pytest.fixture
 def live():
-    server = Live(smooth=False)
+    server = Live(MODEL, smooth=False)
     yield server
     server.close()
 

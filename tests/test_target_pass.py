@@ -12,7 +12,6 @@ import torch
 from conftest import OracleTreeDrafter, hf_greedy, tiny_model
 from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
-from selfspec.dtypes import resolve_dtype
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.stats import GenerationStats
@@ -143,20 +142,3 @@ def test_unknown_backend_is_one_clear_error(model) -> None:
         SpeculativeEngine(model, None, backend="fast")
 
 
-def test_dtype_auto_picks_per_device(monkeypatch) -> None:
-    import selfspec.dtypes as dt
-
-    assert resolve_dtype("float32") is torch.float32 and resolve_dtype(torch.float16) is torch.float16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert resolve_dtype("auto", "cuda") is torch.bfloat16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert resolve_dtype("auto", "cuda") is torch.float16
-    monkeypatch.setattr(dt, "cpu_has_native_bf16", lambda: False)
-    assert resolve_dtype("auto", "cpu") is torch.float32
-    monkeypatch.setattr(dt, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(dt, "bf16_is_faster_on_cpu", lambda *a: True)
-    assert resolve_dtype("auto", "cpu") is torch.bfloat16
-    monkeypatch.setattr(dt, "bf16_is_faster_on_cpu", lambda *a: False)
-    assert resolve_dtype("auto", "cpu") is torch.float32
-    with pytest.raises(SelfspecError, match="unknown dtype"):
-        resolve_dtype("float8")

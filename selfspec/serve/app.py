@@ -24,13 +24,14 @@ from ..batching import BatchEngine
 from ..engine import DecodeConfig, eos_ids
 from ..errors import SelfspecError
 from ..stopping import StopText
+from .gate import AccessRecord, Gate
 from .pacing import Pacer
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response, completion_chunk,
                        completion_response, error_body, new_id, usage, usage_chunk)
 from .telemetry import Telemetry
 from .worker import Burst, EngineWorker, Finished, Job
 
-ERROR_STATUS = {"invalid_request_error": 400, "unavailable": 503, "server_error": 500}
+ERROR_STATUS = {"invalid_request_error": 400, "timeout_error": 408, "unavailable": 503, "server_error": 500}
 
 
 @dataclass
@@ -42,6 +43,11 @@ class ServerConfig:
     smooth: bool = True  # pace streams (per request: "smooth": false)
     default_max_tokens: int = 512  # when a request sets no max_tokens (capped by the context left)
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # drafting settings for every request
+    api_keys: tuple[str, ...] = ()  # any one of them opens /v1/* (and /metrics unless metrics_public); none: open
+    metrics_public: bool = False
+    max_body: int = 8 * 2**20  # bytes of a request body; more get 413
+    request_timeout: float | None = None  # seconds from arrival; a request still decoding then ends with 408
+    log_prompts: bool = False  # the access log's lines carry the prompt text
 
 
 class Server:
@@ -88,7 +94,9 @@ class Server:
         except SelfspecError as exc:
             raise APIError(400, str(exc), param="messages" if isinstance(req, ChatRequest) else "prompt",
                            code="context_length_exceeded") from None
-        job = Job(ids, req.decode_config(max_new, self.config.decode), asyncio.get_running_loop())
+        timeout = self.config.request_timeout
+        job = Job(ids, req.decode_config(max_new, self.config.decode), asyncio.get_running_loop(),
+                  deadline=None if timeout is None else time.monotonic() + timeout)
         if not self.worker.accepting:
             why = f"the engine failed ({self.worker.failure})" if self.worker.failure else "the server is shutting down"
             raise APIError(503, why, type="unavailable")
@@ -116,7 +124,7 @@ class Server:
 
     # --- answers -------------------------------------------------------------------------------------
 
-    async def answer(self, job: Job, request: Request, endpoint: str, arrived: float) -> Finished:
+    async def answer(self, job: Job, request: Request, endpoint: str, record: AccessRecord) -> Finished:
         """Wait for the whole decode (non-streaming); cancel it if the client leaves."""
         first = True
         while True:
@@ -128,18 +136,25 @@ class Server:
                 continue
             if isinstance(event, Burst):
                 if first and event.tokens:
-                    self.telemetry.ttft.observe(time.monotonic() - arrived)
+                    self.first_token(record, event)
                     first = False
                 continue
-            self.done(endpoint, event, arrived)
+            self.done(endpoint, event, record)
             return event
 
-    def done(self, endpoint: str, end: Finished, arrived: float) -> None:
+    def first_token(self, record: AccessRecord, burst: Burst) -> None:
+        """Time to first token, one definition streamed or not: from arrival to the step that committed it."""
+        record.ttft_s = burst.time - record.start
+        self.telemetry.ttft.observe(record.ttft_s)
+
+    def done(self, endpoint: str, end: Finished, record: AccessRecord) -> None:
+        record.outcome = end.error_type if end.status == "error" else end.status
+        record.completion_tokens = len(end.tokens)
         self.telemetry.requests.inc(endpoint=endpoint, status=end.status)
-        self.telemetry.duration.observe(time.monotonic() - arrived)
+        self.telemetry.duration.observe(time.monotonic() - record.start)
         self.telemetry.queue(self.worker.waiting, self.worker.running)
 
-    async def stream(self, job: Job, req, endpoint: str, rid: str, arrived: float):
+    async def stream(self, job: Job, req, endpoint: str, rid: str, record: AccessRecord):
         """Server-sent events: one chunk per token (paced), the finish, usage if asked, ``[DONE]``."""
         chat = endpoint == "chat"
         model = self.config.model_name
@@ -163,6 +178,8 @@ class Server:
                 while end is None and (not backlog or not job.events.empty()):
                     item = await job.events.get()
                     if isinstance(item, Burst):
+                        if record.ttft_s is None and item.tokens:
+                            self.first_token(record, item)
                         backlog.extend(item.tokens)
                         pacer.commit(len(item.tokens), item.time, len(backlog))
                     else:
@@ -171,9 +188,7 @@ class Server:
                     piece = shown.add(text.add([backlog.popleft()]))
                     if piece:
                         now = time.monotonic()
-                        if last_sent is None:
-                            self.telemetry.ttft.observe(now - arrived)
-                        else:
+                        if last_sent is not None:
                             self.telemetry.gap.observe(now - last_sent)
                         last_sent = now
                         yield piece_chunk(piece)
@@ -184,7 +199,7 @@ class Server:
                 rest = shown.add(text.finish()) + shown.finish()
                 if rest:
                     yield piece_chunk(rest)
-                self.done(endpoint, end, arrived)
+                self.done(endpoint, end, record)
                 if end.status == "error":
                     yield event(self.failed(end).body())
                 else:
@@ -199,20 +214,27 @@ class Server:
         finally:
             if end is None:  # the client went away mid-stream (or the server is stopping): free the engine
                 job.cancel()
+                record.outcome, record.completion_tokens = "disconnected", len(job.tokens)
                 self.telemetry.requests.inc(endpoint=endpoint, status="disconnected")
 
     async def handle(self, req: ChatRequest | CompletionRequest, request: Request, endpoint: str):
-        arrived = time.monotonic()
+        record: AccessRecord = request.state.access
+        if self.config.log_prompts:
+            record.prompt = (json.dumps([m.model_dump(exclude_none=True) for m in req.messages])
+                             if isinstance(req, ChatRequest) else str(req.prompt))
         try:
             job = self.submit(req)
         except APIError as exc:
-            self.telemetry.requests.inc(endpoint=endpoint, status="rejected" if exc.status == 429 else "invalid")
+            record.outcome = "rejected" if exc.status == 429 else "invalid"
+            self.telemetry.requests.inc(endpoint=endpoint, status=record.outcome)
             raise
-        rid = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
+        record.prompt_tokens = len(job.ids)
+        rid = record.id = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
         if req.stream:
-            return StreamingResponse(self.stream(job, req, endpoint, rid, arrived), media_type="text/event-stream",
+            return StreamingResponse(self.stream(job, req, endpoint, rid, record),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        end = await self.answer(job, request, endpoint, arrived)
+        end = await self.answer(job, request, endpoint, record)
         if end.status == "error":
             raise self.failed(end)
         shown = StopText(job.cfg.stop_strings)
@@ -236,6 +258,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
     return 422, (f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))), where
 
 
+def endpoint_of(path: str) -> str:
+    """The ``endpoint`` label of a request's path in ``selfspec_requests_total``."""
+    return {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path, path)
+
+
 def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
     """The application; the engine thread starts with it and stops with it."""
     server = Server(engine, tokenizer, config)
@@ -248,6 +275,10 @@ def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="selfspec", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(Gate, keys=config.api_keys, metrics_public=config.metrics_public, max_body=config.max_body,
+                       log_prompts=config.log_prompts,
+                       on_refusal=lambda path, outcome: server.telemetry.requests.inc(endpoint=endpoint_of(path),
+                                                                                       status=outcome))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -256,8 +287,8 @@ def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         status, message, param = _validation_message(exc)
-        endpoint = "chat" if request.url.path.endswith("chat/completions") else "completions"
-        server.telemetry.requests.inc(endpoint=endpoint, status="invalid")
+        request.state.access.outcome = "invalid"
+        server.telemetry.requests.inc(endpoint=endpoint_of(request.url.path), status="invalid")
         return JSONResponse(error_body(message, param=param), status_code=status)
 
     @app.exception_handler(Exception)

@@ -1,12 +1,16 @@
 """What the server counts, as Prometheus metrics (``/metrics``).
 
-Per finished request (engine thread): tokens, target passes (τ = tokens / passes), draft and verify time,
-drafts reaching and accepted at each depth. Per request on the event loop: the outcome, time to first
-token, the gaps between streamed tokens as the client receives them, the time spent queued.
+Per engine step (engine thread): one target pass, its seconds and the drafting before it, however many requests
+share it, so the seconds add up to at most the wall time. Per finished request (engine thread): tokens, the
+passes it took part in (``selfspec_row_passes_total``: τ = tokens / row passes), drafts reaching and accepted at
+each depth, the time it queued. Per request on the event loop: the outcome, time to first token (from arrival
+to the engine committing its first token, streamed or not), the gaps between streamed tokens as the client
+receives them.
 """
 
 from __future__ import annotations
 
+from ..batching import StepStats
 from .metrics import Counter, Gauge, Histogram, Registry
 from .worker import Finished, Job
 
@@ -24,10 +28,14 @@ class Telemetry:
         self.cached = r.add(Counter("selfspec_prompt_tokens_cached_total",
                                     "Prompt tokens whose K/V the prefix cache gave (not recomputed)"))
         self.tokens = r.add(Counter("selfspec_generation_tokens_total", "Tokens the engine committed"))
-        self.passes = r.add(Counter("selfspec_target_passes_total", "Target verification passes"))
-        self.tau = r.add(Gauge("selfspec_mean_accepted_tokens", "Tokens per target pass over all requests (tau)"))
-        self.draft_s = r.add(Counter("selfspec_draft_seconds_total", "Seconds spent drafting"))
-        self.verify_s = r.add(Counter("selfspec_verify_seconds_total", "Seconds spent in target passes"))
+        self.passes = r.add(Counter("selfspec_target_passes_total",
+                                    "Target verification passes (one per engine step, whatever the rows)"))
+        self.row_passes = r.add(Counter("selfspec_row_passes_total",
+                                        "Per request: target passes each finished request took part in, summed"))
+        self.tau = r.add(Gauge("selfspec_mean_accepted_tokens",
+                               "Tokens per request per pass over finished requests (tau = tokens / row passes)"))
+        self.draft_s = r.add(Counter("selfspec_draft_seconds_total", "Seconds the engine spent drafting"))
+        self.verify_s = r.add(Counter("selfspec_verify_seconds_total", "Seconds the engine spent in target passes"))
         self.reached = r.add(Counter("selfspec_draft_reached_total",
                                      "Draft steps whose accepted path reached depth-1 (the draft was judged at depth)"))
         self.accepted = r.add(Counter("selfspec_draft_accepted_total", "Draft tokens accepted, by depth"))
@@ -37,7 +45,7 @@ class Telemetry:
         self.drafted = r.add(Histogram("selfspec_draft_tokens_per_step",
                                        "Draft tokens verified per target pass, all requests together", BATCH_BUCKETS))
         self.ttft = r.add(Histogram("selfspec_time_to_first_token_seconds",
-                                    "From the request's arrival to its first token sent"))
+                                    "From the request's arrival to the engine committing its first token"))
         self.gap = r.add(Histogram("selfspec_inter_token_latency_seconds",
                                    "Gaps between tokens sent to a streaming client", GAP_BUCKETS))
         self.queued = r.add(Histogram("selfspec_queue_wait_seconds", "From a request's arrival to its start"))
@@ -49,21 +57,22 @@ class Telemetry:
         self.prompt_tokens.inc(len(job.ids))
         self.cached.inc(s.cached_prompt_tokens)
         self.tokens.inc(s.new_tokens)
-        self.passes.inc(s.target_forwards)
-        self.draft_s.inc(s.draft_s)
-        self.verify_s.inc(s.verify_s)
+        self.row_passes.inc(s.target_forwards)
         for depth, (r, a) in enumerate(zip(s.reached_depth, s.accepted_at_depth), start=1):
             self.reached.inc(r, depth=str(depth))
             self.accepted.inc(a, depth=str(depth))
-        passes = self.passes.value()
+        passes = self.row_passes.value()
         self.tau.set(self.tokens.value() / passes if passes else 0.0)
         if job.started is not None:
             self.queued.observe(job.started - job.submitted)
 
-    def on_step(self, rows: int, drafted: int) -> None:
-        """Engine thread: one batched pass over ``rows`` requests verified ``drafted`` draft tokens."""
-        self.batch.observe(rows)
-        self.drafted.observe(drafted)
+    def on_step(self, step: StepStats) -> None:
+        """Engine thread: one batched pass over ``step.rows`` requests verified ``step.drafted`` draft tokens."""
+        self.passes.inc()
+        self.verify_s.inc(step.pass_s)
+        self.draft_s.inc(step.draft_s)
+        self.batch.observe(step.rows)
+        self.drafted.observe(step.drafted)
 
     def queue(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)

@@ -57,6 +57,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
+    deadline: float | None = None  # time.monotonic() past which the request ends with a timeout (None: never)
     tokens: list[int] = field(default_factory=list)  # committed so far
 
     def send(self, event: Burst | Finished) -> None:
@@ -70,10 +71,17 @@ class Job:
         """Stop this request after the step in progress (or before it starts)."""
         self.cancelled.set()
 
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def timeout(self) -> str:
+        return (f"the request did not finish within this server's --request-timeout "
+                f"({self.deadline - self.submitted:.3g} s); it was stopped and its row freed")
+
 
 class EngineWorker:
     """The thread that owns the batch engine; requests reach it through :meth:`submit`. ``on_finish(job, end)`` is
-    called as a request ends, ``on_step(rows, drafted)`` after every batched pass (engine thread both)."""
+    called as a request ends, ``on_step(step)`` (a ``StepStats``) after every batched pass (engine thread both)."""
 
     def __init__(self, engine: BatchEngine, max_waiting: int = 16, on_finish=None, on_step=None) -> None:
         if max_waiting < 1:
@@ -150,6 +158,8 @@ class EngineWorker:
             req = None
             if job.cancelled.is_set():
                 self._finish(job, Finished("cancelled", GenerationStats(), []))
+            elif job.expired(time.monotonic()):
+                self._finish(job, Finished("error", GenerationStats(), [], job.timeout(), "timeout_error"))
             else:
                 try:
                     req = self.engine.add(job.ids, job.cfg, GenerationStats())
@@ -164,10 +174,14 @@ class EngineWorker:
 
     def _step(self) -> None:
         """One batched step; its tokens to their requests; requests that ended answered."""
+        now = time.monotonic()
         for req, job in list(self.active.items()):
-            if job.cancelled.is_set():  # its row is freed at the start of the step below
+            if job.cancelled.is_set() or job.expired(now):  # its row is freed at the start of the step below
                 self.engine.cancel(req)
-                self._end(req, "cancelled")
+                if job.cancelled.is_set():
+                    self._end(req, "cancelled")
+                else:
+                    self._end(req, "error", job.timeout(), "timeout_error")
         try:
             events = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a fault of the server's, which must not stop it
@@ -181,16 +195,16 @@ class EngineWorker:
             self.active[req].tokens += new
             self.active[req].send(Burst(new, now))
         if self.on_step is not None and events:
-            self.on_step(self.engine.last_rows, self.engine.last_drafted)
+            self.on_step(self.engine.last_step)
         for req in [r for r in self.active if r.finished]:
             self._end(req, "ok")
 
-    def _end(self, req: Request, status: str, error: str | None = None) -> None:
+    def _end(self, req: Request, status: str, error: str | None = None, error_type: str = "server_error") -> None:
         job = self.active.pop(req)
         if status == "ok":
             elapsed = time.monotonic() - job.started
             self.request_s = elapsed if self.request_s is None else 0.7 * self.request_s + 0.3 * elapsed
-        self._finish(job, Finished(status, req.stats, job.tokens, error))
+        self._finish(job, Finished(status, req.stats, job.tokens, error, error_type))
 
     def _die(self, exc: BaseException) -> None:
         log.error("the engine thread died; the server refuses requests from now on", exc_info=exc)

@@ -183,12 +183,15 @@ def frozen_target(cfg: TrainConfig, accelerator, target=None, tokenizer=None):
         if dtype == "auto":
             from accelerate.utils import broadcast_object_list
 
-            from ..dtypes import resolve_dtype
+            from ..dtypes import choose_dtype, dtype_name
             from ..zoo import load_config
 
-            chosen = [str(resolve_dtype("auto", accelerator.device, load_config(cfg.base_model).get_text_config()))
-                      if accelerator.is_main_process else None]
-            dtype = broadcast_object_list(chosen)[0].removeprefix("torch.")
+            chosen = [None]
+            if accelerator.is_main_process:  # the machine's cached verdict, the same one generate and serve read
+                choice = choose_dtype("auto", accelerator.device, load_config(cfg.base_model).get_text_config())
+                accelerator.print(f"target {cfg.base_model} in {choice}")
+                chosen = [dtype_name(choice.dtype)]
+            dtype = broadcast_object_list(chosen)[0]
         target, tokenizer = load_model(cfg.base_model, dtype=dtype, device=accelerator.device)
     target.eval().requires_grad_(False)
     return target, tokenizer
