@@ -201,12 +201,12 @@ class BatchEngine:
         depth = self.budget.depth(rows, self.target.pass_shape, chains)
         if chains and depth:
             t0 = time.perf_counter()
-            trees = self.drafter.propose_chains([row.dstate for row in rows], [row.ctx for row in rows],
-                                                [min(depth, row.max_depth) for row in rows])
+            trees, catch_up_s = self.drafter.propose_chains([row.dstate for row in rows], [row.ctx for row in rows],
+                                                            [min(depth, row.max_depth) for row in rows])
             # what drafting to this depth costs from step to step: the depth passes, and a feed of one step's
             # pairs like one of them; not this step's catch-up (a prompt, pairs queued while the batch did not
             # draft), which would make the budget's per-depth cost, and so its next choices, too high
-            steady = (time.perf_counter() - t0 - self.drafter.catch_up_s) * (depth + 1) / depth
+            steady = (time.perf_counter() - t0 - catch_up_s) * (depth + 1) / depth
             share = steady / len(rows)
             return [row.drafted(tree, share) for row, tree in zip(rows, trees)]
         cost = self.budget.node_cost(len(rows), self.target.pass_shape)

@@ -261,6 +261,9 @@ class Request:
         self._last = None
 
     def close(self) -> None:
-        """The request ended (or was abandoned): its wall time."""
+        """The request ended (or was abandoned): its wall time; the drafter frees what it kept for it."""
+        if self.drafter is not None and self.dstate is not None:
+            self.drafter.release(self.dstate)
+            self.dstate = None
         sync_device(self.device)
         self.stats.total_s = time.perf_counter() - self.started

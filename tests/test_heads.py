@@ -145,13 +145,15 @@ def test_eagle_chains_for_many_sequences_equal_each_sequence_recomputed_alone(ar
         ctx = DraftContext(state.tokens, n, (hs[-1][n - k:],))
         states.append(drafter.observe(dstate, ctx))
         ctxs.append((ctx, hs[-1]))
-    trees = drafter.propose_chains(states, [c for c, _ in ctxs], depths)
+    trees, _ = drafter.propose_chains(states, [c for c, _ in ctxs], depths)
     for prompt, (ctx, real), tree, dstate, depth, k in zip(prompts, ctxs, trees, states, depths, queued):
         assert int(tree.tokens[0]) == prompt[-1] and tree.parents == list(range(-1, depth))
         if depth == 0:  # untouched: its queued pairs (the prompt's included: start only queues) wait for a draft
             assert tree.size == 1 and dstate.cached == 0 and dstate.pending.shape[0] == ctx.cache_len
             continue
-        assert dstate.cached == dstate.cache.get_seq_length() == ctx.cache_len and dstate.pending is None
+        assert dstate.cached == dstate.row_len == ctx.cache_len and dstate.pending is None and dstate.row >= 0
+        drafter.head_rows.copy_out(dstate)  # the row's pairs, appended to the sequence's own cache on demand
+        assert dstate.cache.get_seq_length() == dstate.dense == ctx.cache_len
         feats, toks, chain_ = real, prompt[1:], []
         with torch.no_grad():
             for _ in range(depth):  # the head over the whole sequence, no cache, fed its own features
@@ -161,6 +163,75 @@ def test_eagle_chains_for_many_sequences_equal_each_sequence_recomputed_alone(ar
                 chain_.append(top[0][0])
                 feats, toks = torch.cat([feats, pred[None]]), toks + [top[0][0]]
         assert tree.tokens[1:].tolist() == chain_
+
+
+def recomputed(heads, drafter, dstate, feats: torch.Tensor, toks: list[int], depth: int) -> tuple[torch.Tensor, list]:
+    """The head over a whole sequence's pairs without a cache: (its root feature, the greedy chain of ``depth``)."""
+    root, chain_ = None, []
+    with torch.no_grad():
+        for d in range(max(depth, 1)):
+            embeds = drafter.embed(torch.tensor(toks))
+            pred = heads(feats[None], embeds[None], torch.arange(len(toks))[None])[0, -1]
+            root = pred if d == 0 else root
+            top, _ = drafter._top(dstate, pred[None], 1)
+            chain_.append(top[0][0])
+            feats, toks = torch.cat([feats, pred[None]]), toks + [top[0][0]]
+    return root, chain_[:depth]
+
+
+@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+def test_batched_head_rows_stay_right_across_steps_leaves_and_lone_drafts(family: str) -> None:
+    """The head's batch cache keeps a row per sequence from step to step: over steps with rows joining, a row
+    released from the middle (the last row moves into it), a sequence drafting alone (its own cache, topped up from
+    its row) and back in a batch (its row topped up), every root feature and chain equals the head recomputed over
+    the sequence's whole pairs."""
+    model = tiny_model(6, layers=3)
+    heads = perturb(init_heads(family, model, top_k=3, draft_vocab_size=40), 6)
+    drafter = make_drafter(heads, model)
+    seqs = [prompt_for(s, 60) for s in range(5)]
+    with torch.no_grad():
+        hidden = [model(torch.tensor([q]), output_hidden_states=True).hidden_states for q in seqs]
+    layers = drafter.state_layers
+
+    def feats_of(i: int, a: int, b: int) -> tuple[torch.Tensor, ...]:
+        return tuple(hidden[i][layer][0, a:b] for layer in layers)
+
+    lengths = [9, 17, 5, 30, 12]  # pairs committed so far (the prompt)
+    states = [drafter.start(DraftContext(torch.tensor(q[:n + 1]), n, feats_of(i, 0, n)))
+              for i, (q, n) in enumerate(zip(seqs, lengths))]
+
+    def commit(i: int, k: int) -> DraftContext:
+        lengths[i] += k
+        ctx = DraftContext(torch.tensor(seqs[i][:lengths[i] + 1]), lengths[i], feats_of(i, lengths[i] - k, lengths[i]))
+        states[i] = drafter.observe(states[i], ctx)
+        return ctx
+
+    def check(i: int, chain_tokens: list[int] | None) -> None:
+        n = lengths[i]
+        feats = torch.cat(feats_of(i, 0, n), -1) if family == "eagle3" else feats_of(i, 0, n)[0]
+        feats = heads.fuse(feats) if family == "eagle3" else feats
+        root, want = recomputed(heads, drafter, states[i], feats, seqs[i][1:n + 1], len(chain_tokens or []))
+        assert states[i].cached == n and torch.allclose(states[i].root_feature, root, atol=1e-5)
+        if chain_tokens is not None:
+            assert chain_tokens == want
+
+    plan = [([0, 1, 2, 3], 2), ([0, 1, 2, 3, 4], 3), ([1, 2, 3, 4], 1), ([3], 2), ([1, 3, 4], 4), ([1, 3], 2)]
+    for step, (active, k) in enumerate(plan):
+        if step == 2:
+            drafter.release(states[0])  # from the middle: the last row moves into row 0
+            assert drafter.head_rows.rows == 4 and sorted(states[i].row for i in active) == [0, 1, 2, 3]
+        ctxs = {i: commit(i, k + i % 2) for i in active}
+        if len(active) == 1:  # a batch of one drafts alone, over the sequence's own cache
+            i = active[0]
+            tree, states[i] = drafter.propose(states[i], ctxs[i], DraftRequest(3, 8, SamplingConfig()))
+            assert states[i].dense == lengths[i]
+            check(i, None)
+            continue
+        depths = [3 if j % 3 else 2 for j in active]
+        trees, _ = drafter.propose_chains([states[i] for i in active], [ctxs[i] for i in active], depths)
+        for i, tree, depth in zip(active, trees, depths):
+            check(i, tree.tokens[1:].tolist())
+            assert tree.max_depth == depth
 
 
 def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:

@@ -41,7 +41,7 @@ def test_v1_needs_a_key_and_health_stays_open(keyed) -> None:
         assert status == 401 and error(raw)["code"] == "invalid_api_key", header
     for header in ("sk-first", "Token sk-first", "Bearer", "Bearer   "):
         status, raw = keyed.complete("Hello", headers={"Authorization": header})[:2]
-        assert status == 401 and error(raw)["type"] == "invalid_request_error" and "Bearer" in error(raw)["message"]
+        assert status == 401 and error(raw)["code"] == "invalid_api_key" and "Bearer" in error(raw)["message"]
     for key in KEYS:
         assert keyed.complete("Hello", headers={"Authorization": f"Bearer {key}"})[0] == 200
     assert keyed.complete("Hello", headers={"Authorization": "bearer sk-second"})[0] == 200  # the scheme's case

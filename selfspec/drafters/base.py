@@ -67,9 +67,6 @@ class Drafter:
     # -1 the final normed layer); the engine keeps only these, in this order
     state_layers: tuple[int, ...] = (-1,)
     drafts_batches: bool = False  # ``propose_chains`` drafts many sequences' chains at once (a batch's step)
-    # seconds the last ``propose_chains`` spent feeding what was queued before drafting (a prompt, the pairs committed
-    # while the batch did not draft): a one-off, not what drafting to a depth costs from step to step
-    catch_up_s: float = 0.0
 
     def start(self, ctx: DraftContext) -> Any:
         """Fresh per-request state, after the target has prefilled ``ctx.tokens[:-1]``."""
@@ -79,9 +76,15 @@ class Drafter:
         """A tree rooted at ``ctx.tokens[-1]`` within ``req``'s limits (a root-only tree means no draft)."""
         raise NotImplementedError
 
-    def propose_chains(self, states: list, ctxs: list[DraftContext], depths: list[int]) -> list[DraftTree]:
-        """Greedy chains of ``depths[i]`` tokens for several sequences at once (where ``drafts_batches``)."""
+    def propose_chains(self, states: list, ctxs: list[DraftContext], depths: list[int]
+                       ) -> tuple[list[DraftTree], float]:
+        """Greedy chains of ``depths[i]`` tokens for several sequences at once (where ``drafts_batches``), and the
+        seconds spent feeding what was queued before drafting (a prompt, the pairs committed while the batch did not
+        draft): a one-off, not what drafting to a depth costs from step to step."""
         raise NotImplementedError
+
+    def release(self, state: Any) -> None:
+        """The request that ``state`` belongs to ended: free what the drafter keeps for it (a batch cache's row)."""
 
     def draft(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
         """What the engine calls: ask how deep this source may go (``req.depth``), then ``propose`` that deep.

@@ -64,17 +64,22 @@ class LookupFirstDrafter(Drafter):
             return tree, state
         return self.inner.draft(state, ctx, req)
 
-    def propose_chains(self, states: list, ctxs: list[DraftContext], depths: list[int]) -> list[DraftTree]:
+    def propose_chains(self, states: list, ctxs: list[DraftContext], depths: list[int]
+                       ) -> tuple[list[DraftTree], float]:
         """A batch's chains: each sequence's lookup chain where its context repeats deeply enough, the wrapped
         drafter's chains for all the others at once (``drafts_batches``)."""
         looked = [self.lookup.propose(None, ctx, DraftRequest(depth, depth + 1, SamplingConfig()))[0]
                   for ctx, depth in zip(ctxs, depths)]
         found = [depth > 0 and tree.max_depth >= min(self.min_depth, depth) for tree, depth in zip(looked, depths)]
-        inner = self.inner.propose_chains(states, ctxs, [0 if hit else depth for hit, depth in zip(found, depths)])
-        self.catch_up_s = self.inner.catch_up_s
+        inner, catch_up_s = self.inner.propose_chains(states, ctxs,
+                                                      [0 if hit else depth for hit, depth in zip(found, depths)])
         for tree in (tree for tree, hit in zip(looked, found) if hit):
             tree.source = self.lookup.name
-        return [tree if hit else other for tree, hit, other in zip(looked, found, inner)]
+        return [tree if hit else other for tree, hit, other in zip(looked, found, inner)], catch_up_s
+
+    def release(self, state: Any) -> None:
+        """The wrapped drafter's."""
+        self.inner.release(state)
 
     def _matched(self, lookup: PromptLookupDrafter, ctx: DraftContext, req: DraftRequest) -> DraftTree | None:
         """``lookup``'s tree when it matches deeply enough and the policy lets it draft (asked only then)."""

@@ -6,7 +6,8 @@ states, so pairs (f_t, x_{t+1}) exist for t = 0 .. R-1. The head's cache holds t
 whatever is queued in one causal pass (the first one is the drafter's prefill; a request that never
 drafts, in a batch too loaded for drafting to pay, never pays for it). The last output is f^_R, the
 predicted feature at the root, from which drafting starts. ``propose_chains`` does the same for many
-sequences at once, then drafts each a greedy chain, one head pass per depth for all of them.
+sequences at once, then drafts each a greedy chain, one head pass per depth for all of them, over a head cache
+with a row per sequence kept from step to step (``head_rows.py``).
 
 Tree (EAGLE-2, ``selfspec/drafters/dynamic_tree.py``): a drafted node at depth d is pair R + d - 1, its
 input its parent's output feature and its own token; the best ``max_nodes - 1`` nodes form the draft, and
@@ -37,22 +38,26 @@ from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_
 from ..tree import DraftTree, additive_mask, chain
 from ..frozen import lm_head, lm_head_rows
 from .eagle import EagleHead
+from .head_rows import HeadRows
 
 
 CATCH_UP_TOGETHER = 16  # a batch feeds queues up to this long in one head pass (each row padded to the longest);
 # a longer one (a prompt, on a request's first draft) is fed alone: padding 16 rows to a 150-token prompt cost a
 # 16-row batch of SmolLM2 ~10 ms a step, more than its drafts won
-FEED_PADDING = 64  # padding pairs a batched feed may add before rows with longer queues get a head pass of their own:
-# a small batch's feed costs about one pass whatever its padding, a pass per run would double it
 CONTEXT_ROWS_CACHED = 4096  # LM-head rows of context tokens kept for reuse (Qwen2.5-1.5B: 12 MB in bf16)
 
 
 @dataclass
 class EagleState:
-    """The head's cache over pairs 0 .. cached-1, the features of pairs not fed yet, f^ at the root."""
+    """The head's cache over pairs 0 .. cached-1, the features of pairs not fed yet, f^ at the root. The committed
+    pairs live in ``cache`` (the first ``dense``) and, once the sequence drafts in a batch, in its row of the
+    drafter's ``HeadRows`` (the first ``row_len``): one of the two holds them all (``head_rows.py``)."""
 
     cache: object
     cached: int = 0
+    dense: int = 0  # pairs in ``cache``
+    row: int = -1  # its row in the drafter's batch cache (-1: none)
+    row_len: int = 0  # pairs in that row
     pending: torch.Tensor | None = None  # (m, H): features of pairs cached .. cached + m - 1
     root_feature: torch.Tensor | None = None  # (H,): the head's output for pair cached - 1
     context_ids: list[int] = field(default_factory=list)  # context tokens outside d2t, drafted too
@@ -94,6 +99,7 @@ class EagleDrafter(Drafter):
         self.head.register_buffer("in_draft", in_draft, persistent=False)  # an index map beside d2t, not saved
         self.in_draft = self.head.in_draft
         self.row_cache: OrderedDict[int, tuple] = OrderedDict()  # token id -> its LM-head row (and bias), LRU
+        self.head_rows = HeadRows(self._layer_config(), model_dtype(self.head), self.embed.weight.device)
         # on a CPU the head's matmuls run on oneDNN-packed weights, as the static target pass runs the target's
         # (memory-neutral: the packed tensors replace the dense ones; the head's state dict stays dense)
         self.dtype = model_dtype(self.head)  # before packing turns its linears' parameters into buffers
@@ -184,11 +190,13 @@ class EagleDrafter(Drafter):
         """Feed the queued pairs in one causal pass; the last output becomes the root's feature."""
         if state.pending is None or state.pending.shape[0] == 0:
             return
+        self.head_rows.copy_out(state)  # pairs fed in a batch first: the cache appends after them
         m, start = state.pending.shape[0], state.cached
         tokens = ctx.tokens[start + 1:start + m + 1].tolist()  # x_{t+1} for each queued pair t; the last is the root
         self._add_context(state, ctx.tokens[start:start + m + 1].tolist())  # x_0 too at the first feed
         out = self._run(self._fuse(state.pending.to(self.dtype)), tokens, list(range(start, start + m)), state.cache)
         state.cached, state.pending, state.root_feature = start + m, None, out[-1]
+        state.dense = state.cached
 
     def _top(self, state: EagleState, feats: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
         """Top-k target token ids and their log-probabilities for each of (n, H) features."""
@@ -209,6 +217,7 @@ class EagleDrafter(Drafter):
         """A dynamic tree of at most ``req.max_depth`` levels and ``req.max_nodes`` nodes."""
         root = int(ctx.tokens[-1])
         self._catch_up(state, ctx)
+        self.head_rows.copy_out(state)  # nothing was queued, but pairs fed in a batch may be missing here
         budget = req.max_nodes - 1
         if state.root_feature is None or req.max_depth < 1 or budget < 1:  # nothing fed yet: 1-token prompt
             return chain(root, []), state
@@ -218,86 +227,82 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def propose_chains(self, states: list[EagleState], ctxs: list[DraftContext], depths: list[int]
-                       ) -> list[DraftTree]:
-        """Greedy chains of ``depths[i]`` tokens for several sequences at once (a batch's step): a queue longer than
-        ``CATCH_UP_TOGETHER`` pairs (a new request's prompt) is fed on its own, the others together
-        (``_catch_up_rows``), then each depth is one head pass over all of them, each sequence attending over its own
-        pairs (copied, with room for the new ones, into one padded cache for this draft; the new committed pairs are
-        appended to each sequence's own cache, the drafted ones are not)."""
+                       ) -> tuple[list[DraftTree], float]:
+        """Greedy chains of ``depths[i]`` tokens for several sequences at once (a batch's step), and the seconds spent
+        feeding what was queued before drafting (a prompt, pairs committed while the batch did not draft: a one-off,
+        not what drafting to a depth costs). A queue longer than ``CATCH_UP_TOGETHER`` pairs (a new request's prompt)
+        is fed on its own, the others in one head pass; then each depth is one head pass over all of them, each
+        sequence in its row of the drafter's ``HeadRows`` attending over its own pairs (the new committed pairs stay
+        in the row, the drafted ones are overwritten later)."""
         live = [i for i, state in enumerate(states)
                 if depths[i] > 0 and (state.root_feature is not None or state.pending is not None)]
         drafts: list[list[int]] = [[] for _ in states]
-        self.catch_up_s = 0.0
+        catch_up_s = 0.0
         if live:
             t0 = time.perf_counter()
             rows, depth = [states[i] for i in live], max(depths[i] for i in live)
             for state, i in zip(rows, live):  # a long queue (a new request's prompt) is fed on its own, not with every
-                if state.pending is not None and state.pending.shape[0] > CATCH_UP_TOGETHER:  # row padded to it
+                if _queued(state) > CATCH_UP_TOGETHER:  # row padded to it
                     self._catch_up(state, ctxs[i])
-            live.sort(key=lambda i: _queued(states[i]))  # rows by queue length: similar queues are fed together
-            rows = [states[i] for i in live]
             queued = [_queued(state) for state in rows]
-            cache = self._padded_cache(rows, max(queued) + depth)
-            self._catch_up_rows(rows, [ctxs[i] for i in live], queued, cache)
-            self.catch_up_s = time.perf_counter() - t0
-            feats = torch.stack([state.root_feature for state in rows])
+            cache = self.head_rows.place(rows, max(queued) + depth)
+            if max(queued):
+                self._feed_rows(rows, [ctxs[i] for i in live], queued, cache)
+            catch_up_s = time.perf_counter() - t0
+            index = torch.tensor([state.row for state in rows])
+            feats = self._root_features(rows, index)
+            base = self._row_lengths()
             for d in range(depth):
-                tokens = self._greedy(rows, feats)
+                tokens = self._greedy(rows, feats[index])
                 for i, token in zip(live, tokens):
                     drafts[i].append(token)
                 if d < depth - 1:
-                    at = torch.tensor([state.cached + d for state in rows], device=feats.device)[:, None]
-                    feats = self._run_rows(feats[:, None], torch.tensor(tokens)[:, None], at, cache)[:, 0]
+                    ids = torch.zeros(feats.shape[0], 1, dtype=torch.long)
+                    ids[index, 0] = torch.tensor(tokens)
+                    feats = self._run_rows(feats[:, None], ids, (base + d)[:, None], cache)[:, 0]
         trees = [chain(int(ctx.tokens[-1]), draft[:n]) for ctx, draft, n in zip(ctxs, drafts, depths)]
         for tree in trees:
             tree.source = self.name
-        return trees
+        return trees, catch_up_s
 
-    def _padded_cache(self, rows: list[EagleState], room: int) -> RowCache:
-        """The rows' head caches side by side, each with ``room`` free slots after its own pairs."""
-        cache = RowCache(self._layer_config(), len(rows), max(s.cached for s in rows) + room, self.dtype,
-                         self.embed.weight.device)
-        for j, state in enumerate(rows):
-            for layer, own in zip(cache.layers, state.cache.layers if state.cached else ()):
-                layer.keys[j, :, :state.cached] = own.keys[0, :, :state.cached]
-                layer.values[j, :, :state.cached] = own.values[0, :, :state.cached]
-        return cache
+    def release(self, state: EagleState) -> None:
+        """The request ended: its row of the batch cache is freed."""
+        if state is not None:
+            self.head_rows.release(state)
 
-    def _catch_up_rows(self, rows: list[EagleState], ctxs: list[DraftContext], queued: list[int], cache: RowCache
-                       ) -> None:
-        """``_catch_up`` for many sequences (``queued`` ascending) over ``cache``: one head pass per run of rows, each
-        row padded to its run's longest queue (a padding query writes past its row's pairs, where the chain
-        overwrites it before anyone sees it); a run ends where padding would add more than ``FEED_PADDING`` pairs."""
-        for state, n in zip(rows, queued):
-            state.pending = state.pending if n else None  # an empty queue (nothing committed since) is none
-        a = next((j for j, n in enumerate(queued) if n), len(rows))
-        while a < len(rows):
-            b = a + 1
-            while b < len(rows) and (b + 1 - a) * queued[b] - sum(queued[a:b + 1]) <= FEED_PADDING:
-                b += 1
-            self._feed_rows(rows[a:b], ctxs[a:b], queued[a:b], cache, a)
-            a = b
-        cache.rows = slice(0, len(rows))
+    def _row_lengths(self) -> torch.Tensor:
+        """Each claimed row's committed pairs: where its next pair goes (a row not drafting this step writes there
+        too, past its pairs, where nobody reads it before it is overwritten)."""
+        return torch.tensor([s.row_len if s is not None else 0 for s in self.head_rows.states()],
+                            device=self.embed.weight.device)
 
-    def _feed_rows(self, rows: list[EagleState], ctxs: list[DraftContext], queued: list[int], cache: RowCache,
-                   first: int) -> None:
-        """One head pass feeding the queues of ``rows`` (rows ``first..`` of ``cache``), padded to the longest."""
+    def _root_features(self, rows: list[EagleState], index: torch.Tensor) -> torch.Tensor:
+        """(claimed rows, H): each drafting row's root feature in its row, zeros elsewhere."""
+        roots = torch.stack([state.root_feature for state in rows])
+        feats = roots.new_zeros(self.head_rows.rows, roots.shape[-1])
+        feats[index] = roots
+        return feats
+
+    def _feed_rows(self, rows: list[EagleState], ctxs: list[DraftContext], queued: list[int], cache: RowCache
+                   ) -> None:
+        """One head pass over every claimed row feeding the queues of ``rows``, each padded to the longest (a padding
+        query writes past its row's pairs, where the chain overwrites it before anyone sees it)."""
         m = max(queued)
         some = rows[queued.index(m)].pending
-        feats = some.new_zeros(len(rows), m, *some.shape[1:])
-        tokens = torch.zeros(len(rows), m, dtype=torch.long)
-        for j, (state, ctx, n) in enumerate(zip(rows, ctxs, queued)):
-            feats[j, :n] = state.pending
-            tokens[j, :n] = ctx.tokens[state.cached + 1:state.cached + n + 1]
-            self._add_context(state, ctx.tokens[state.cached:state.cached + n + 1].tolist())
-        at = torch.tensor([[state.cached + i for i in range(m)] for state in rows], device=feats.device)
-        cache.rows = slice(first, first + len(rows))
+        feats = some.new_zeros(self.head_rows.rows, m, *some.shape[1:])
+        tokens = torch.zeros(self.head_rows.rows, m, dtype=torch.long)
+        for state, ctx, n in zip(rows, ctxs, queued):
+            if n:
+                feats[state.row, :n] = state.pending
+                tokens[state.row, :n] = ctx.tokens[state.cached + 1:state.cached + n + 1]
+                self._add_context(state, ctx.tokens[state.cached:state.cached + n + 1].tolist())
+        at = self._row_lengths()[:, None] + torch.arange(m, device=feats.device)[None]
         out = self._run_rows(self._fuse(feats.to(self.dtype)), tokens, at, cache)
-        for j, (state, n) in enumerate(zip(rows, queued)):
-            for index, layer in enumerate(cache.layers):
-                state.cache.update(layer.keys[first + j:first + j + 1, :, state.cached:state.cached + n],
-                                   layer.values[first + j:first + j + 1, :, state.cached:state.cached + n], index)
-            state.cached, state.pending, state.root_feature = state.cached + n, None, out[j, n - 1]
+        for state, n in zip(rows, queued):
+            if n:
+                state.cached += n
+                state.row_len, state.pending, state.root_feature = state.cached, None, out[state.row, n - 1]
+            state.pending = None  # an empty queue (nothing committed since) is none
 
     def _greedy(self, rows: list[EagleState], feats: torch.Tensor) -> list[int]:
         """Each row's likeliest next token (target ids) from its (H,) feature: the draft vocabulary in one call."""
@@ -311,13 +316,17 @@ class EagleDrafter(Drafter):
     def _run_rows(self, feats: torch.Tensor, tokens: torch.Tensor, at: torch.Tensor, cache: RowCache
                   ) -> torch.Tensor:
         """One head pass over ``cache``: row j's pairs (features (rows, m, F), tokens (rows, m)) at positions and
-        slots ``at`` (rows, m), each seeing its row's slots up to its own -> (rows, m, H) predicted features."""
-        slots = cache.layers[0].keys.shape[2]
-        seen = torch.arange(slots, device=at.device)[None, None] <= at[:, :, None]
+        slots ``at`` (rows, m), each seeing its row's slots up to its own -> (rows, m, H) predicted features. The mask
+        is as wide as the furthest slot written: attention reads no slot beyond."""
+        width = int(at.max()) + 1
+        seen = torch.arange(width, device=at.device)[None, None] <= at[:, :, None]
         mask = torch.where(seen, 0.0, torch.finfo(feats.dtype).min).to(feats.dtype)[:, None]
         cache.write = at
         embeds = self.embed(tokens.to(self.embed.weight.device)).to(device=feats.device, dtype=feats.dtype)
-        with static_attention(self._layer_config()):  # K/V read in place per K/V head, not copied per query head
+        with static_attention(self._layer_config()) as cut:  # K/V read in place, never copied per query head
+            if not cut:  # another attention the user chose: it reads every slot, so the mask covers them all
+                mask = torch.nn.functional.pad(mask, (0, cache.layers[0].keys.shape[2] - width),
+                                               value=torch.finfo(feats.dtype).min)
             return self.head(feats, embeds, at, cache, mask)
 
     def extra_parameters(self) -> int:
@@ -349,6 +358,7 @@ class Eagle3Drafter(EagleDrafter):
         self.d2t = head.draft_ids().cpu()
         self.reduced = False  # nothing to add: tokens outside the draft vocabulary are never proposed
         self.dtype = model_dtype(self.head)
+        self.head_rows = HeadRows(self._layer_config(), self.dtype, self.embed.weight.device)
         pack_linears(self.head)  # fc, attention, MLP and the LM head on oneDNN's layout on a CPU
 
     def _pair_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:

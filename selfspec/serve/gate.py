@@ -46,7 +46,8 @@ class AccessRecord:
 
     def line(self, log_prompts: bool) -> str:
         ms = lambda s: f"{s * 1e3:.0f}" if s is not None else "-"  # noqa: E731
-        parts = [f"id={self.id}", self.method, self.path, str(self.status or "-"), f"outcome={self.outcome or '-'}",
+        outcome = self.outcome or ("ok" if self.status is not None and self.status < 400 else "-")
+        parts = [f"id={self.id}", self.method, self.path, str(self.status or "-"), f"outcome={outcome}",
                  f"prompt_tokens={self.prompt_tokens if self.prompt_tokens is not None else '-'}",
                  f"completion_tokens={self.completion_tokens if self.completion_tokens is not None else '-'}",
                  f"ttft_ms={ms(self.ttft_s)}", f"duration_ms={ms(time.monotonic() - self.start)}"]
@@ -68,19 +69,19 @@ class KeyCheck:
     def __bool__(self) -> bool:
         return bool(self.digests)
 
-    def refusal(self, header: str | None) -> str | None:
-        """Why a request with this ``Authorization`` header is refused, or None when its key is one of ours."""
+    def refusal(self, header: str | None) -> tuple[str, str] | None:
+        """(why, OpenAI's error code) a request with this ``Authorization`` header is refused; None: a key of ours."""
         if header is None:
             return ("no API key: send it in an 'Authorization: Bearer KEY' header (the openai client's api_key "
-                    "does so)")
+                    "does so)", "missing_api_key")
         scheme, _, token = header.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return "malformed Authorization header: expected 'Bearer KEY'"
+            return "malformed Authorization header: expected 'Bearer KEY'", "invalid_api_key"
         candidate = _digest(token.strip())
         match = False
         for digest in self.digests:  # no early exit
             match |= hmac.compare_digest(candidate, digest)
-        return None if match else "incorrect API key provided"
+        return None if match else ("incorrect API key provided", "invalid_api_key")
 
 
 class Gate:
@@ -117,11 +118,10 @@ class Gate:
     async def _pass(self, scope, receive, send, record: AccessRecord) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         if self.keys and self.protected(scope["path"]):
-            why = self.keys.refusal(headers.get("authorization"))
-            if why is not None:
+            refused = self.keys.refusal(headers.get("authorization"))
+            if refused is not None:
                 record.outcome = "unauthorized"
-                code = "invalid_api_key" if why.startswith("incorrect") else "missing_api_key"
-                return await _answer(send, 401, error_body(why, "invalid_request_error", code=code),
+                return await _answer(send, 401, error_body(*refused[:1], "invalid_request_error", code=refused[1]),
                                      {"www-authenticate": 'Bearer realm="selfspec"'})
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
