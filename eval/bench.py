@@ -6,9 +6,9 @@ the ratios. Each run appends a line to ``OUT/runs.jsonl``: a killed benchmark re
 stopped, and ``--report-only`` rebuilds the report from it. Outputs: ``report.json``, ``report.md``,
 ``speedup_by_category.png``, ``speedup_vs_memory.png``, ``acceptance_by_depth.png``.
 
-    selfspec bench --model smollm2-135m-instruct --n 4 --max-new-tokens 64 --out eval/results/smollm2
+    selfspec bench --model smollm2-135m-instruct --n 4 --max-new-tokens 64 --out runs/smollm2
     selfspec bench --model qwen2.5-coder-1.5b-instruct --draft-model qwen2.5-coder-0.5b-instruct \\
-        --memory-budget 4GiB,6GiB,8GiB --out eval/results/qwen2.5-coder-1.5b
+        --memory-budget 4GiB,6GiB,8GiB --out runs/qwen2.5-coder-1.5b
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from .divergences import check_outputs, failure_message, real_divergences, verdi
 from .methods import BASE_METHODS, VLLM_METHODS, Method, build_methods, heads_folders, is_vllm
 from .metrics import summarize
 from .prompts import load_bench_prompts
+from .environment import environment
 from .vllm_client import WorkerConfig, missing_environment
 
 HELP = "benchmark plain, separate-draft and self-speculative decoding"
@@ -83,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure each method at the longest context that fits each budget (capped by "
                         "--budget-max-context); on CUDA the budget is enforced and an out-of-memory is recorded")
     p.add_argument("--budget-max-context", type=positive_int, default=4096)
-    p.add_argument("--out", default="eval/results/bench", help="folder for runs.jsonl and the report "
+    p.add_argument("--out", default="runs/bench", help="folder for runs.jsonl and the report "
                    "(a --fixed-tree run: its own)")
     p.add_argument("--report-only", action="store_true", help="report the runs already in --out; run nothing")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
@@ -231,6 +232,14 @@ def folder_stamp(folder: str) -> list[list]:
     return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in Path(folder).iterdir() if p.is_file())
 
 
+def recorded_environment(out: Path) -> dict | None:
+    """The environment the runs in ``out`` were measured in (their last report's), for ``--report-only``."""
+    try:
+        return json.loads((out / "report.json").read_text()).get("environment")
+    except (OSError, ValueError):
+        return None
+
+
 def resume_guard(out: Path, args: argparse.Namespace, dtype: str, heads: dict[str, str]) -> None:
     """Record what the runs in ``out`` were measured with; refuse to add runs to ones measured otherwise (a method
     named like an earlier one, with other heads or settings, would otherwise be reported from the old runs)."""
@@ -300,7 +309,8 @@ def bench(args: argparse.Namespace) -> dict:
                         "target_pass_used": shared.name, "exact": shared.exact,
                         "torch_threads": torch.get_num_threads()},
               "summary": summary, "target_memory": predict_target(target).to_dict(), "memory": memory,
-              "budgets": budget_rows, "divergence": divergence}
+              "budgets": budget_rows, "divergence": divergence,
+              "environment": recorded_environment(out) if args.report_only else environment()}
     files = report_mod.write(report, out, with_plots=not args.no_plots)
     print(report_mod.markdown(report))
     print("wrote " + ", ".join(str(f) for f in files))

@@ -29,6 +29,7 @@ from selfspec.options import (OneLineParser, add_heads_path_option, add_model_op
                               run_command)
 from selfspec.target_pass import make_target_pass
 
+from .environment import environment
 from .prompts import load_bench_prompts
 
 PASSES = ("exact", "static")
@@ -108,7 +109,7 @@ def table(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = exact_cost(args)
+    report = {**exact_cost(args), "environment": environment()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "exact-cost.json").write_text(json.dumps(report, indent=1))

@@ -8,6 +8,7 @@ from pathlib import Path
 from selfspec.divergence import format_counts
 from selfspec.memory import format_bytes
 
+from .environment import caption
 from .metrics import OVERALL
 
 
@@ -58,7 +59,8 @@ def markdown(report: dict) -> str:
              f"{s['questions']} questions, {setup['max_new_tokens']} new tokens, greedy, {_dtype_pass(setup)}, "
              f"{setup['device']}; methods interleaved per question after a warm-up. Speedup is against "
              f"`{s['baseline']}`; identical = greedy output equal to "
-             f"`{(report.get('divergence') or {}).get('reference', s['baseline'])}`'s.", ""]
+             f"`{(report.get('divergence') or {}).get('reference', s['baseline'])}`'s.", "",
+             f"Measured: {caption(report.get('environment'))}.", ""]
     if "draft-model" in s["categories"][OVERALL] and not setup.get("no_lookup"):
         lines += ["selfspec `draft-model` drafts by prompt lookup where the context repeats itself (an n-gram of "
                   "3+ tokens seen before) and with the draft model elsewhere (`--no-lookup`: the draft model alone).", ""]

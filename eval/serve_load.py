@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 
 from selfspec.zoo import load_tokenizer
 
+from .environment import environment
 from .prompts import load_bench_prompts
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -283,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 proc.terminate()
                 proc.wait(60)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps({"environment": environment(), "results": results}, indent=1))
     return 0
 
 

@@ -188,9 +188,13 @@ def test_bench_small_run_writes_report(tmp_path):
     for name in ("report.md", "speedup_by_category.png", "speedup_vs_memory.png", "acceptance_by_depth.png"):
         assert (out / name).stat().st_size > 0
     assert "prompt lookup where the context repeats" in (out / "report.md").read_text()
-    # resumed: nothing re-runs, the same report comes back
+    env = report["environment"]  # the report names its machine, versions and commit
+    assert env["cpu"] and env["cores"] >= 1 and env["torch"] and env["transformers"] and env["date"]
+    assert f"Measured: {env['date']}, {env['cpu']}" in (out / "report.md").read_text()
+    # resumed: nothing re-runs, the same report comes back, with the environment it was measured in
     assert main(["bench", "--model", "smollm2-135m-instruct", "--draft-model", "smollm2-135m-instruct",
                  "--methods", methods, "--out", str(out), "--report-only", "--no-plots"]) == 0
+    assert json.loads((out / "report.json").read_text())["environment"] == env
 
 
 def test_a_bench_folder_refuses_to_resume_runs_of_other_heads_or_settings(tmp_path):
