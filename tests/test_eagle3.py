@@ -87,7 +87,7 @@ def test_target_passes_report_the_asked_layers(backend: str) -> None:
 
 def test_unroll_sees_what_drafting_sees() -> None:
     """Unrolled step k, row t equals drafting k steps from root t+1 with the head's own cache (real pairs 0..t)."""
-    from selfspec.train.eagle3 import eagle3_unroll
+    from selfspec.objectives.eagle3 import eagle3_unroll
 
     target = tiny_model(3, layers=4)
     head = perturb(init_heads("eagle3", target), 1, 0.1).eval()
@@ -156,8 +156,8 @@ def test_each_small_data_lever_adds_its_documented_term(lever: str) -> None:
     cross-entropy to the teacher's probabilities of its top-K draft tokens; each step weighted decay**(k-1)."""
     import torch.nn.functional as F
 
-    from selfspec.train.common import lm_logits
-    from selfspec.train.eagle3 import Eagle3Loss, eagle3_unroll, features, loss
+    from selfspec.objectives.common import lm_logits
+    from selfspec.objectives.eagle3 import Eagle3Loss, eagle3_unroll, features, loss
 
     model = tiny_model(2, vocab=64, layers=3)
     head = perturb(init_heads("eagle3", model, draft_vocab_size=48), 2)
@@ -192,8 +192,8 @@ def test_each_small_data_lever_adds_its_documented_term(lever: str) -> None:
 def test_the_unroll_curriculum_grows_one_step_per_stage_and_its_loss_is_that_unrolls() -> None:
     """``curriculum_steps=2, unroll=3``: optimizer steps 0-1 unroll 1 step, 2-3 two, 4 on three; the loss at a step
     is exactly the loss of the plain settings with that unroll (only steps up to it scored)."""
-    from selfspec.train.common import settings_at
-    from selfspec.train.eagle3 import Eagle3Loss, features, loss
+    from selfspec.objectives.common import settings_at
+    from selfspec.objectives.eagle3 import Eagle3Loss, features, loss
 
     plan = Eagle3Loss(unroll=3, curriculum_steps=2)
     assert [settings_at(plan, s).unroll for s in range(7)] == [1, 1, 2, 2, 3, 3, 3]

@@ -4,7 +4,7 @@ Three layers, each importing only itself and the layers before it: ``selfspec`` 
 ``selfspec_eval`` (eval/, the benchmark), ``selfspec_cli`` (cli/, the ``selfspec`` command). The
 library imports neither of them, nor the repository's scripts (training/) or tests, and never finds
 files through its own location (``__file__``): installed from a wheel there is no repository around it.
-No import circle anywhere, lazy imports inside functions included.
+No import circle anywhere, lazy imports inside functions included, between modules or between packages.
 """
 
 from __future__ import annotations
@@ -117,6 +117,31 @@ def test_no_import_circle() -> None:
     graph = import_graph()
     assert "selfspec.frozen" in graph and "selfspec_cli.main" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph with every module of a subpackage (``selfspec.heads.eagle``) folded into its package
+    (``selfspec.heads``); a top-level module of a layer stays itself."""
+    packages = {n for n, p in module_files().items() if p.name == "__init__.py" and n.count(".") == 1}
+
+    def node(name: str) -> str:
+        top = ".".join(name.split(".")[:2])
+        return top if top in packages else name
+
+    out: dict[str, set[str]] = {}
+    for name, edges in graph.items():
+        out.setdefault(node(name), set()).update(node(e) for e in edges if node(e) != node(name))
+    return out
+
+
+def test_no_package_imports_one_that_imports_it_back() -> None:
+    """Between packages too: ``heads`` importing ``train``'s objectives while ``train`` imports ``heads`` is a loop
+    even when no two modules form one (a training objective is a leaf both import: ``selfspec.objectives``)."""
+    packages = package_graph(import_graph())
+    assert {"selfspec.heads", "selfspec.train", "selfspec.objectives"} <= set(packages)
+    assert find_cycle(packages) is None, " -> ".join(find_cycle(packages))
+    assert find_cycle(package_graph({"selfspec.heads.a": {"selfspec.train.b"}, "selfspec.train.b": set(),
+                                     "selfspec.train.c": {"selfspec.heads.d"}, "selfspec.heads.d": set()})) is not None
 
 
 def test_each_layer_imports_only_the_layers_before_it() -> None:

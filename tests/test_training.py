@@ -73,7 +73,7 @@ def test_bf16_mixed_precision_runs_the_whole_loss_in_bf16(chat_file: Path, tmp_p
     that fills the feature cache in bf16 too; the loss still falls."""
     from accelerate.state import AcceleratorState
 
-    import selfspec.train.eagle as eagle
+    import selfspec.objectives.eagle as eagle
     import selfspec.train.loop as loop
 
     seen, lm, features, autocast_in_features = [], eagle.lm_logits, loop.target_features, []
@@ -210,7 +210,7 @@ def test_committed_training_configs_parse(path: Path) -> None:
 def test_eagle_unroll_sees_what_drafting_sees():
     """Unrolled step k, row t equals drafting k steps from root t+1 with the head's own cache (real pairs 0..t)."""
     from selfspec.heads import init_heads
-    from selfspec.train.eagle import eagle_step, eagle_unroll
+    from selfspec.objectives.eagle import eagle_step, eagle_unroll
 
     target = tiny_model(3, vocab=VOCAB)
     head = init_heads("eagle", target).eval()

@@ -2,11 +2,11 @@
 
 Each family is a config dataclass (``config.py``), a module holding only the trained weights, a
 :class:`~selfspec.drafters.base.Drafter` that joins the module to the target's frozen embeddings,
-layers, norm and LM head, and its training objective (``selfspec/train/<family>.py``), registered together by one
+layers, norm and LM head, and its training objective (``selfspec/objectives/<family>.py``), registered together by one
 :func:`register_family` call, as peft registers a method. ``init_heads`` makes an untrained module;
 ``selfspec.checkpoint`` (above this package: nothing here imports it) saves and loads trained ones.
 
-The registry imports the objectives (``selfspec.train.<family>``, torch and ``selfspec.frozen`` only, none of
+The registry imports the objectives (``selfspec.objectives.<family>``, torch and ``selfspec.frozen`` only, none of
 this package) so that a family is whole, and checked, the moment it registers.
 """
 
@@ -22,11 +22,11 @@ from transformers import PretrainedConfig
 from ..drafters.base import Drafter
 from ..errors import SelfspecError
 from ..frozen import placement
-from ..train import eagle as eagle_objective
-from ..train import eagle3 as eagle3_objective
-from ..train import early_exit as early_exit_objective
-from ..train import medusa as medusa_objective
-from ..train.common import Objective
+from ..objectives import eagle as eagle_objective
+from ..objectives import eagle3 as eagle3_objective
+from ..objectives import early_exit as early_exit_objective
+from ..objectives import medusa as medusa_objective
+from ..objectives.common import Objective
 from .config import CONFIGS, FamilyConfig, HeadConfig, config_class, make_config
 from .config import EagleConfig, EarlyExitConfig, MedusaConfig
 from .eagle import EagleHead
@@ -54,7 +54,7 @@ def register_family(name: str, *, config: type, module: type, drafter: type, obj
 
     A name registered twice, a config that is not a dataclass answering to ``name``, a module that is not an
     ``nn.Module``, a drafter that is not a :class:`Drafter`, or an objective missing a part is an error here, not
-    at first use. (The objectives, ``selfspec/train/<family>.py``, import torch and the target helpers only.)"""
+    at first use. (The objectives, ``selfspec/objectives/<family>.py``, import torch and the target helpers only.)"""
     problems = []
     if name in FAMILIES:
         problems.append("already registered")
@@ -66,7 +66,7 @@ def register_family(name: str, *, config: type, module: type, drafter: type, obj
     if not (isinstance(drafter, type) and issubclass(drafter, Drafter)):
         problems.append("drafter must be a Drafter class")
     if not isinstance(objective, Objective):
-        problems.append("objective must be a selfspec.train.common.Objective")
+        problems.append("objective must be a selfspec.objectives.common.Objective")
     elif objective.missing():
         problems.append(f"objective lacks {', '.join(objective.missing())}")
     if problems:

@@ -36,7 +36,7 @@ from ..heads import init_heads
 from ..zoo import load_model
 from .batches import epoch_order, rank_micro_batches, step_examples, steps_per_epoch
 from .card import model_card
-from .common import settings_at
+from ..objectives.common import settings_at
 from .config import MOVED, TrainConfig, config_dict
 from .features import TokenDataset, build_feature_cache, pad_batch, tokenize_all
 from .objectives import depth_accuracy, feature_keys, feature_settings, head_loss, prepare_heads, target_features

@@ -3,8 +3,8 @@
 Notation for one batch: tokens x (B, T), loss mask m (B, T) (1 on assistant tokens), the target's
 final normed hidden states f (B, T, H); f_t under the target's LM head predicts x_{t+1}.
 
-A family's objective is one module of this package (``medusa.py``, ``eagle.py``, ``eagle3.py``, ``early_exit.py``)
-exporting ``OBJECTIVE``, a :class:`~selfspec.train.common.Objective` (its contract is documented there), which
+A family's objective is one module of ``selfspec/objectives/`` (``medusa.py``, ``eagle.py``, ``eagle3.py``, ``early_exit.py``)
+exporting ``OBJECTIVE``, a :class:`~selfspec.objectives.common.Objective` (its contract is documented there), which
 ``selfspec.heads.register_family`` checks when the family registers. The family comes from the heads themselves
 (their config), as peft derives its method from ``config.peft_type``.
 """
@@ -19,7 +19,7 @@ from torch import nn
 
 from ..errors import SelfspecError
 from ..heads import FAMILIES
-from .common import Objective, inner, lm_logits
+from ..objectives.common import Objective, inner, lm_logits
 
 
 def objective(heads: nn.Module | str) -> Objective:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .common import inner
+from ..objectives.common import inner
 
 SAME_PART = {"decoder.layers.0.": "layer.", "midlayer.": "layer.", "decoder.norm.": "norm."}  # prefix -> shared name
 VOCABULARY = ("d2t", "t2d", "draft_ids")  # buffers that hold a draft vocabulary (set through set_draft_vocab)
