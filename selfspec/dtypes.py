@@ -6,7 +6,7 @@
            avx512_bf16 or Arm bf16 alone: measured once (a linear of the model's shape class, bf16 vs float32,
            interleaved, one thread, fastest of several) with a margin in bf16's favour, the verdict cached on disk
 
-The measured verdict lives under the cache root (``$SELFSPEC_HOME/dtype/``), keyed by the CPU model, its bf16
+The measured verdict lives under the cache root (``$SELFSPEC_HOME/dtype/``, ``selfspec/disk_cache.py``), keyed by the CPU model, its bf16
 flags, the torch version and the shape class, so every later process on this machine (``generate``, ``bench``,
 ``serve``, ``demo``, training) reads the same answer whatever else is running then: a timing taken while
 another job used the cores could otherwise flip a server to float32 for its life. Delete the folder to measure
@@ -17,23 +17,17 @@ speculative pass).
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import hashlib
-import json
 import math
-import os
-import platform
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
+from .cpu import cpu_flags, cpu_model
 from .errors import SelfspecError
+from .disk_cache import cached
 from .packed_linear import linear, pack_weight
-from .paths import selfspec_home
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names on the command line
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -57,32 +51,6 @@ class DtypeChoice:
 
     def __str__(self) -> str:
         return f"{dtype_name(self.dtype)} ({self.why})"
-
-
-# --- the CPU --------------------------------------------------------------------------------------------
-
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no cheap way to tell
-        return ""
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (x86 ``flags``, Arm ``Features``); empty where /proc/cpuinfo is missing."""
-    flags: set[str] = set()
-    for line in _cpuinfo().splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    return flags
-
-
-def cpu_model() -> str:
-    """The CPU's model name as lscpu prints it (``AMD EPYC``), else the platform's processor string."""
-    for line in _cpuinfo().splitlines():
-        if line.startswith(("model name", "Model Name", "Hardware")):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def cpu_has_native_bf16() -> bool:
@@ -137,64 +105,19 @@ def bf16_wins(ms: dict[str, float]) -> bool:
 
 # --- the cached verdict ---------------------------------------------------------------------------------
 
-def dtype_cache_dir() -> Path:
-    """Where measured verdicts live: ``$SELFSPEC_HOME/dtype``."""
-    return selfspec_home() / "dtype"
-
-
-def _cache_key(shape: str) -> dict[str, str]:
-    flags = ",".join(sorted(cpu_flags() & set(BF16_FLAGS)))
-    return {"cpu": cpu_model(), "bf16_flags": flags, "torch": torch.__version__, "shape": shape, "rule": RULE}
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on ``path`` (POSIX): two processes starting together measure once, and agree."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        try:
-            import fcntl
-        except ImportError:  # Windows: no lock; the later writer wins
-            yield
-            return
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _read(path: Path, key: dict[str, str]) -> dict | None:
-    try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(entry, dict) and entry.get("key") == key and entry.get("dtype") in ("bfloat16", "float32")
-    return entry if ok else None
-
-
-def _write(path: Path, entry: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(entry, indent=1) + "\n")
-    os.replace(tmp, path)  # atomic: a reader sees the old verdict or the new one, never half a file
-
-
 def measured_cpu_dtype(hidden: int, out: int, timer: Callable[[], float] = time.perf_counter) -> DtypeChoice:
     """The cached verdict for this CPU, torch and shape class; measured (and cached) when there is none."""
     shape = shape_class(hidden, out)
-    key = _cache_key(shape)
-    path = dtype_cache_dir() / f"{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    with _locked(path.with_suffix(".lock")):
-        entry, cached = _read(path, key), True
-        if entry is None:
-            ms = measure_linear_ms(*map(int, shape.split("x")), timer=timer)
-            entry = {"key": key, "dtype": "bfloat16" if bf16_wins(ms) else "float32",
-                     "measured": datetime.date.today().isoformat(), "ms": {k: round(v, 4) for k, v in ms.items()}}
-            _write(path, entry)
-            cached = False
-    what = "native bf16" if entry["dtype"] == "bfloat16" else "bf16 measured slower"
-    return DtypeChoice(DTYPES[entry["dtype"]], f"auto: {what}, measured {entry['measured']}"
-                                              + (", cached" if cached else ""))
+    key = {"cpu": cpu_model(), "bf16_flags": ",".join(sorted(cpu_flags() & set(BF16_FLAGS))),
+           "torch": torch.__version__, "shape": shape, "rule": RULE}
+
+    def measure() -> tuple[str, dict]:
+        ms = measure_linear_ms(*map(int, shape.split("x")), timer=timer)
+        return ("bfloat16" if bf16_wins(ms) else "float32"), {"ms": {k: round(v, 4) for k, v in ms.items()}}
+
+    name, details, was_cached = cached("dtype", key, measure)
+    what = "native bf16" if name == "bfloat16" else "bf16 measured slower"
+    return DtypeChoice(DTYPES[name], f"auto: {what}, measured {details['measured']}" + (", cached" if was_cached else ""))
 
 
 # --- the decision ---------------------------------------------------------------------------------------

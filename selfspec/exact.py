@@ -51,6 +51,7 @@ from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
 from . import row_attention
+from .disk_cache import cached, machine
 
 log = logging.getLogger(__name__)
 
@@ -333,26 +334,43 @@ def row_range(linear: nn.Module, in_features: int, buckets: tuple[int, ...], dev
     exact passes run on at least 2 rows (most = 1: none agree)."""
     key = (str(device), dtype, type(linear).__name__, in_features, getattr(linear, "out_features", None), buckets)
     if key not in _ROWS:
-        rows = buckets[-1]
-        out = getattr(linear, "out_features", None) or 1
-        trials = max(1, min(6, 300_000 // (out * rows)))  # rounding differences are rare: look at enough outputs
-        gen = torch.Generator().manual_seed(0)
-        xs = [(torch.randn(rows, in_features, generator=gen) * 4.0 ** (t % 3 - 1)).to(device=device, dtype=dtype)
-              for t in range(trials)]
-        found = []
-        with torch.no_grad():
-            for least in (1, 2):
-                refs = [torch.cat([linear(part) for part in x.split(least)]) for x in xs]  # each row in a least-row pass
-                most = 0
-                for b in (b for b in buckets if b >= least):
-                    if not all(torch.equal(linear(x[:b]), ref[:b]) for x, ref in zip(xs, refs)):
-                        break
-                    most = b
-                found.append((least, most))
-                if most == buckets[-1]:
-                    break
-        _ROWS[key] = max(found, key=lambda lm: (lm[1], -lm[0]))
+        _ROWS[key] = tuple(on_disk("row_range", key, lambda: _row_range(linear, in_features, buckets, device, dtype)))
     return _ROWS[key]
+
+
+def on_disk(test: str, key: tuple, run):
+    """``run()``'s verdict, measured once per machine on a CPU and read back from ``$SELFSPEC_HOME/selftest/``
+    after (``selfspec/disk_cache.py``: keyed by the CPU's model and flags, torch's version, the thread count, the
+    row kernel's build and ``key``); measured in every process elsewhere (a GPU's would need its model in the key)."""
+    if torch.device(key[0]).type != "cpu":
+        return run()
+    kernel = row_attention.build_name() if row_attention.kernel() is not None else None
+    where = {**machine(), "threads": torch.get_num_threads(), "row_kernel": kernel}
+    return cached("selftest", {"test": test, **where, "args": [str(k) for k in key]}, lambda: (run(), {}))[0]
+
+
+def _row_range(linear: nn.Module, in_features: int, buckets: tuple[int, ...], device: torch.device,
+               dtype: torch.dtype) -> tuple[int, int]:
+    """``row_range``, measured."""
+    rows = buckets[-1]
+    out = getattr(linear, "out_features", None) or 1
+    trials = max(1, min(6, 300_000 // (out * rows)))  # rounding differences are rare: look at enough outputs
+    gen = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(rows, in_features, generator=gen) * 4.0 ** (t % 3 - 1)).to(device=device, dtype=dtype)
+          for t in range(trials)]
+    found = []
+    with torch.no_grad():
+        for least in (1, 2):
+            refs = [torch.cat([linear(part) for part in x.split(least)]) for x in xs]  # each row in a least-row pass
+            most = 0
+            for b in (b for b in buckets if b >= least):
+                if not all(torch.equal(linear(x[:b]), ref[:b]) for x, ref in zip(xs, refs)):
+                    break
+                most = b
+            found.append((least, most))
+            if most == buckets[-1]:
+                break
+    return max(found, key=lambda lm: (lm[1], -lm[0]))
 
 
 def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
@@ -361,21 +379,27 @@ def batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.
     own keys), on caches of one to three key blocks; and requests of a batch whose groups of one shape share calls."""
     key = (str(device), dtype, heads, kv_heads, head_dim)
     if key not in _BATCHED:
-        gen = torch.Generator().manual_seed(0)
-        ok = True
-        for cache_len, parents in ((40, [-1, *range(31)]), (500, [-1, *range(15)]), (1000, [-1, 0, 0, 1, 1, 2, 3, 3, 5, 4])):
-            n, slots, depth = len(parents), 1088, _depths(parents)
-            q = torch.randn(1, heads, n, head_dim, generator=gen).to(device=device, dtype=dtype)
-            k = torch.randn(1, kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
-            v = torch.randn(1, kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
-            outs = [exact_attention(q, k, v, plan_pass(parents, depth, cache_len, slots, dtype, device, batched),
-                                    head_dim ** -0.5) for batched in (True, False)]
-            ok &= torch.equal(*outs)
-        for rows in (((40, [-1]), (300, [-1]), (45, [-1]), (500, [-1, 0, 1, 2]), (1000, [-1, 0, 0, 1]), None),
-                     ((40, [-1]), (41, [-1]), (50, [-1]))):  # requests of a batch: some groups shared, some not
-            ok &= _stacking_keeps_rows(rows, heads, kv_heads, head_dim, device, dtype, gen)
-        _BATCHED[key] = ok
+        _BATCHED[key] = bool(on_disk("batching_keeps_rows", key,
+                                     lambda: _batching_keeps_rows(heads, kv_heads, head_dim, device, dtype)))
     return _BATCHED[key]
+
+
+def _batching_keeps_rows(heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """``batching_keeps_rows``, measured."""
+    gen = torch.Generator().manual_seed(0)
+    ok = True
+    for cache_len, parents in ((40, [-1, *range(31)]), (500, [-1, *range(15)]), (1000, [-1, 0, 0, 1, 1, 2, 3, 3, 5, 4])):
+        n, slots, depth = len(parents), 1088, _depths(parents)
+        q = torch.randn(1, heads, n, head_dim, generator=gen).to(device=device, dtype=dtype)
+        k = torch.randn(1, kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
+        v = torch.randn(1, kv_heads, slots, head_dim, generator=gen).to(device=device, dtype=dtype)
+        outs = [exact_attention(q, k, v, plan_pass(parents, depth, cache_len, slots, dtype, device, batched),
+                                head_dim ** -0.5) for batched in (True, False)]
+        ok &= torch.equal(*outs)
+    for rows in (((40, [-1]), (300, [-1]), (45, [-1]), (500, [-1, 0, 1, 2]), (1000, [-1, 0, 0, 1]), None),
+                 ((40, [-1]), (41, [-1]), (50, [-1]))):  # requests of a batch: some groups shared, some not
+        ok &= _stacking_keeps_rows(rows, heads, kv_heads, head_dim, device, dtype, gen)
+    return ok
 
 
 def _depths(parents: list[int]) -> list[int]:

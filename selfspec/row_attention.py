@@ -26,11 +26,20 @@ from pathlib import Path
 
 import torch
 
+from .cpu import flags_digest
+from .disk_cache import cached, machine
+
 log = logging.getLogger(__name__)
 
 NAME = "selfspec_row_attention"
 MAX_HEAD_DIM = 256  # the kernel keeps a key's head_dim in 16 vector registers
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def build_name() -> str:
+    """The extension's name, carrying this CPU's model and flags: built with ``-march=native``, a build from one host
+    would run (or crash with an illegal instruction) on another that shares the extensions folder."""
+    return f"{NAME}_{flags_digest()}"
 
 
 @functools.cache
@@ -44,10 +53,10 @@ def kernel():
         from torch.utils.cpp_extension import get_default_build_root, load
 
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-        if not any(root.glob(f"**/{NAME}/*.so")):
+        if not any(root.glob(f"**/{build_name()}/*.so")):
             log.warning("building selfspec's row attention kernel for this CPU (once, 20-40 s; cached in %s)", root)
         with as_file(files("selfspec") / "csrc" / "row_attention.cpp") as source:  # package data
-            module = load(name=NAME, sources=[str(source)], verbose=False,
+            module = load(name=build_name(), sources=[str(source)], verbose=False,
                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build failure means: use torch's kernel
         log.warning("row attention kernel unavailable (%s); the exact pass uses torch's attention kernel",
@@ -66,10 +75,18 @@ def used(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] |
 
 @functools.cache
 def keeps_rows(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """The start-up self-test (cached per shape and dtype): a 10-node tree on a 300-token cache beside another
-    request's rows, in one call, each row alone, and each row as a plain step (its keys copied in order to
-    contiguous slots), must give every row the same bits. The kernel is written so that they do; this checks the
-    build (compiler, CPU) rather than assuming it. Where it fails, the exact pass uses torch's kernel (said once)."""
+    """The start-up self-test (per shape and dtype, kept on disk per build: ``selfspec/disk_cache.py``): a 10-node
+    tree on a 300-token cache beside another request's rows, in one call, each row alone, and each row as a plain
+    step (its keys copied in order to contiguous slots), must give every row the same bits. The kernel is written so
+    that they do; this checks the build (compiler, CPU) rather than assuming it. Where it fails, the exact pass uses
+    torch's kernel (said once)."""
+    key = {"test": "row_kernel_keeps_rows", "build": build_name(), **machine(), "threads": torch.get_num_threads(),
+           "shape": [heads, kv_heads, head_dim], "dtype": str(dtype)}
+    return bool(cached("selftest", key, lambda: (_keeps_rows(heads, kv_heads, head_dim, dtype), {}))[0])
+
+
+def _keeps_rows(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """``keeps_rows``, measured."""
     gen = torch.Generator().manual_seed(0)
     k, v = ((torch.randn(2, kv_heads, 512, head_dim, generator=gen) * 2).to(dtype) for _ in range(2))
     parents = [-1, 0, 1, 2, 0, 4, 1, 6, 6, 3]

@@ -56,7 +56,7 @@ def test_a_cached_decision_survives_a_slow_timer(monkeypatch, avx512_bf16) -> No
 def test_the_margin_favours_bf16_and_a_corrupt_cache_is_measured_again(monkeypatch, avx512_bf16) -> None:
     assert measure(monkeypatch, FakeClock(bf16_ms=1.2, fp32_ms=1.0)).dtype is torch.bfloat16  # within 1.25x
     for entry in (avx512_bf16 / "dtype").glob("*.json"):
-        entry.write_text("{half a line")
+        entry.write_text("{half a line")  # a torn file: measured again
     assert measure(monkeypatch, FakeClock(bf16_ms=1.3, fp32_ms=1.0)).dtype is torch.float32
 
 

@@ -134,18 +134,20 @@ class RowVariant(nn.Linear):
                 + nn.functional.linear(x[..., half:], self.weight[:, half:]).float()).to(x.dtype)
 
 
-def test_the_self_test_detects_a_row_variant_linear(monkeypatch) -> None:
+def test_the_self_test_detects_a_row_variant_linear(monkeypatch, tmp_path) -> None:
     buckets = (1, 4, 8, 16, 32, 64)
     cpu = torch.device("cpu")
     for above, found in ((64, (1, 64)), (8, (1, 8)), (16, (1, 16))):
-        monkeypatch.setattr(exact, "_ROWS", {})  # results are cached per shape: these modules share one
+        monkeypatch.setattr(exact, "_ROWS", {})  # results are cached per shape, in the process and on disk:
+        monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / str(above)))  # these modules share one
         assert exact.row_range(RowVariant(above), 64, buckets, cpu, torch.bfloat16) == found
 
 
-def test_a_dense_linear_row_variant_in_large_passes_runs_in_chunks(monkeypatch) -> None:
+def test_a_dense_linear_row_variant_in_large_passes_runs_in_chunks(monkeypatch, tmp_path) -> None:
     """As SmolLM2's tied (so unpacked) LM head above 32 rows on an AMX CPU: the pass stays exact, that linear runs
     on at most 16 rows per matmul inside the exact pass, and as itself again after."""
     monkeypatch.setattr(exact, "_ROWS", {})
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))  # verdicts on faked kernels stay out of the real cache
     model = bf16_model(0, "llama")
     down = model.model.layers[1].mlp.down_proj = RowVariant(16, 128, 64)  # dense (unpacked)
     target = make_target_pass(model, "static", pack=False)
@@ -167,8 +169,9 @@ class LoneRowVariant(PackedLinear):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
-def test_a_packed_linear_that_computes_a_lone_row_otherwise_runs_it_beside_a_zero_row(monkeypatch) -> None:
+def test_a_packed_linear_that_computes_a_lone_row_otherwise_runs_it_beside_a_zero_row(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(exact, "_ROWS", {})
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
     model = bf16_model(0, "llama")
     target = make_target_pass(model, "static")  # packs the linears
     mlp = model.model.layers[1].mlp
@@ -183,7 +186,7 @@ def test_a_packed_linear_that_computes_a_lone_row_otherwise_runs_it_beside_a_zer
     assert mlp.down_proj.min_rows == 1
 
 
-def test_an_attention_kernel_that_batches_rows_differently_is_run_row_by_row(monkeypatch) -> None:
+def test_an_attention_kernel_that_batches_rows_differently_is_run_row_by_row(monkeypatch, tmp_path) -> None:
     """If batching rows changed a row's bits, every row gets its own call (the plan's fallback)."""
     real = exact.scaled_dot_product_attention
 
@@ -194,6 +197,7 @@ def test_an_attention_kernel_that_batches_rows_differently_is_run_row_by_row(mon
 
     monkeypatch.setattr(exact, "scaled_dot_product_attention", batch_dependent)
     monkeypatch.setattr(exact, "_BATCHED", {})
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(row_attention, "kernel", lambda: None)  # the fallback where the row kernel is not built
     assert not exact.batching_keeps_rows(4, 2, 16, torch.device("cpu"), torch.bfloat16)
     plan = exact.plan_pass([-1, 0, 1, 0], [0, 1, 2, 1], 40, 128, torch.bfloat16, torch.device("cpu"), batched=False)

@@ -89,11 +89,12 @@ class RowVariantKernel:
         return out if q.shape[0] == 1 else out + torch.finfo(out.dtype).eps * out.abs()
 
 
-def test_the_self_test_catches_a_row_variant_kernel_and_the_exact_pass_falls_back(monkeypatch) -> None:
+def test_the_self_test_catches_a_row_variant_kernel_and_the_exact_pass_falls_back(monkeypatch, tmp_path) -> None:
     from selfspec import exact
 
     real = row_attention.kernel()
     row_attention.keeps_rows.cache_clear()
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))  # the faked kernel's verdict stays out of the real cache
     monkeypatch.setattr(row_attention, "kernel", lambda: RowVariantKernel(real))
     try:
         assert not row_attention.keeps_rows(4, 2, 16, torch.bfloat16)
