@@ -317,3 +317,19 @@ def test_the_readme_stays_short() -> None:
     """The front door: a newcomer reads it in one sitting; figures and long explanations live in the guides."""
     words = len((ROOT / "README.md").read_text().split())
     assert words <= 1800, f"README.md has {words} words; move detail into docs/ or eval/README.md"
+
+
+def test_contributing_names_every_library_file() -> None:
+    """CONTRIBUTING's table is where a newcomer finds a module: every file of the library is named in it (by its
+    path, or by its name in its package's row)."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    rows = {line.split("|")[1]: line for line in text.splitlines() if line.startswith("| `selfspec/")}
+    missing = []
+    for path in sorted((ROOT / "selfspec").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py" or f"`{rel}`" in text:
+            continue
+        package = f"`{path.parent.relative_to(ROOT).as_posix()}/`"
+        if not any(package in key and f"`{path.name}`" in row for key, row in rows.items()):
+            missing.append(rel)
+    assert not missing, f"CONTRIBUTING.md's table does not name {', '.join(missing)}"
