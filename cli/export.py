@@ -26,7 +26,7 @@ HELP = ("write eagle3 heads in the layout vLLM, SGLang or speculators load (eagl
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The heads folder, the output folder, the format and what the config needs."""
-    from selfspec.checkpoint.serving import EAGLE_LAYOUTS, FORMATS
+    from selfspec.export import EAGLE_LAYOUTS, FORMATS
 
     p.add_argument("folder", type=heads_folder,
                    help="a selfspec heads folder (eagle3; for vllm also eagle or medusa)")
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Export and say where."""
-    from selfspec.checkpoint.serving import export_for_serving, vllm_serve_flags
+    from selfspec.export import export_for_serving, vllm_serve_flags
 
     out = export_for_serving(args.folder, args.out, args.format, base=args.base,
                              num_speculative_tokens=args.num_speculative_tokens, dtype=DTYPES[args.dtype],

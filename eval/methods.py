@@ -175,7 +175,7 @@ def vllm_heads_client(name: str, folder: str, config: WorkerConfig | None, token
     """A worker drafting with the heads in ``folder``, exported for vLLM beside the bench's logs."""
     import tempfile
 
-    from selfspec.checkpoint.serving import export_for_serving, vllm_speculative_config, vllm_target_overrides
+    from selfspec.export import export_for_serving, vllm_speculative_config, vllm_target_overrides
 
     from .vllm_client import VllmClient
 

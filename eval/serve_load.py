@@ -93,7 +93,7 @@ def start_server(model: str, extra: str, log: Path) -> tuple[subprocess.Popen, s
 
 def start_vllm(model: str, which: str, log: Path) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server for ``model`` (``which``: "plain" or a heads folder to export and draft with)."""
-    from selfspec.checkpoint.serving import export_for_serving, vllm_serve_flags
+    from selfspec.export import export_for_serving, vllm_serve_flags
     from selfspec.zoo import resolve
 
     from .vllm_client import missing_environment, vllm_python

