@@ -61,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (repeat for several keys; "
                         f"default: the comma-separated keys in ${KEY_ENV}, else none: anyone who reaches the port)")
     a.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    r = p.add_argument_group("recording (off by default: what clients send is their users' words)")
+    r.add_argument("--record", metavar="DIR", help="append every finished request (its messages, the answer the "
+                   "client got, finish reason, token counts, sampling settings, id, time) to JSON Lines files in DIR, "
+                   "which `training/train_heads.py --data DIR` reads; a request with \"store\": false is never "
+                   "recorded, nor one that failed or whose client left")
+    r.add_argument("--record-max-mib", type=positive_float, default=64, metavar="MIB",
+                   help="start a new file in DIR once the current one holds this much (default: %(default)s)")
     p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup",
                    help="what drafts when no --heads are given (default: %(default)s)")
     add_model_options(p)
@@ -82,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # before the model loads
         raise SelfspecError(f"serving needs {exc.name}: pip install 'selfspec[serve]'") from None
     keys = api_keys(args)
+    rec = recorder(args)  # a folder that cannot be written is refused before the model loads
     if not keys and not is_loopback(args.host):
         print(f"selfspec serve: warning: listening on {args.host} without an API key: anyone who reaches the port "
               f"can use the model (--api-key KEY or ${KEY_ENV})", file=sys.stderr, flush=True)
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                           smooth=not args.no_smoothing, default_max_tokens=args.max_new_tokens,
                           decode=decode_config(args), api_keys=keys, metrics_public=args.metrics_public,
                           max_body=int(args.max_body_mib * 2**20), request_timeout=args.request_timeout,
-                          log_prompts=args.log_prompts)
+                          log_prompts=args.log_prompts, recorder=rec)
     cache = f"{args.prefix_cache:g} MiB prefix cache" if engine.prefix is not None else "no prefix cache"
     access = f"{len(keys)} API key{'s' if len(keys) > 1 else ''}" if keys else "no API key"
     print(f"selfspec serve: {config.model_name} in {dtype_name(model_dtype(model))} (batches of up to "
@@ -109,6 +117,15 @@ def run(args: argparse.Namespace) -> int:
     serve(engine, tokenizer, config, host=args.host, port=args.port, log_level=args.log_level,
           graceful_timeout=args.graceful_timeout)
     return 0
+
+
+def recorder(args: argparse.Namespace):
+    """--record's recorder, or None."""
+    if not args.record:
+        return None
+    from selfspec.serve.record import Recorder
+
+    return Recorder(args.record, int(args.record_max_mib * 2**20))
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

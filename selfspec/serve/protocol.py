@@ -78,6 +78,7 @@ class Sampled(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: bool | int | None = None
     smooth: bool | None = None  # selfspec: pace the stream (None: the server's default)
+    store: bool | None = None  # OpenAI's: false keeps this request out of a recording server's files (--record)
 
     def check_supported(self) -> None:
         """400 for what parses but selfspec does not do."""

@@ -38,7 +38,7 @@ class TrainConfig:
     init_from: str = ""  # a heads folder to continue from (same family and shapes), e.g. a shorter run's
     warm_start: str = ""  # heads of any family for this target to start from: what fits copied, the rest reported
     recount_draft_vocab: bool = False  # EAGLE with --init-from or --warm-start: choose the draft vocabulary again from this run's data
-    data: str = "sharegpt"  # sharegpt | humaneval | .json/.jsonl file (e.g. generate_data.py's) | hub id; or several, comma-separated
+    data: str = "sharegpt"  # sharegpt | humaneval | .json/.jsonl file (e.g. generate_data.py's) | a folder of .jsonl (selfspec serve --record) | hub id; or several, comma-separated
     max_examples: int = 2000
     max_length: int = 512
     heldout_fraction: float = 0.02
