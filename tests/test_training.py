@@ -318,6 +318,46 @@ def test_generate_data_through_the_batch_engine_gives_each_prompts_greedy_reply(
     assert got == alone
 
 
+@pytest.mark.parametrize("drafter", ["lookup", "eagle"])
+def test_generate_data_replies_are_transformers_greedy_in_fp32(drafter: str, tmp_path) -> None:
+    """Self-distillation through the batch engine, drafted by prompt lookup or by heads, more prompts than rows:
+    every reply is transformers' own greedy reply (fp32)."""
+    import argparse
+
+    from selfspec.checkpoint import save_heads
+    from selfspec.heads import init_heads
+
+    gen = load_script("training/generate_data.py")
+    model, tok = tiny_model(0, vocab=VOCAB), make_tokenizer()
+    heads = None
+    if drafter == "eagle":
+        save_heads(perturb(init_heads("eagle", model), 0), model, tmp_path / "heads", base_name="tiny")
+        heads = str(tmp_path / "heads")
+    texts = ["say it 1", "a longer prompt here", "x", "one two one two one two", "abc"]
+    todo = [({"id": str(i)}, None, tok.encode(t)) for i, t in enumerate(texts)]
+    args = argparse.Namespace(batch_size=2, max_new_tokens=12, temperature=0.0, seed=0, heads=heads)
+    got = {item[0]["id"]: reply for item, reply in gen.selfspec_replies(model, tok, todo, args)}
+    want = {str(i): tok.decode(hf_greedy(model, ids, 12), skip_special_tokens=True).strip()
+            for i, (_, _, ids) in enumerate(todo)}
+    assert got == want
+
+
+def test_generate_data_resumes_past_a_torn_line_without_duplicates(tmp_path) -> None:
+    gen = load_script("training/generate_data.py")
+    out = tmp_path / "sd.jsonl"
+    rows = [json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "q"},
+                                                   {"role": "assistant", "content": "a"}]}) for i in range(3)]
+    out.write_text(rows[0] + "\n" + rows[1] + "\n" + rows[2][:25])  # killed while writing the third
+    gen.repair_tail(out)
+    assert gen.done_ids(out) == {"c0", "c1"} and out.read_text() == rows[0] + "\n" + rows[1] + "\n"
+    with out.open("a") as f:  # the resumed run writes the third again, on a line of its own
+        f.write(rows[2] + "\n")
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert ids == ["c0", "c1", "c2"]
+    gen.repair_tail(out)  # a whole file is left alone
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ids
+
+
 def test_data_with_nothing_to_train_on_is_refused_before_any_model_loads(tmp_path) -> None:
     """Prompts without replies (HumanEval's kind) are one line, before the model (here: none that exists) loads."""
     from selfspec.errors import SelfspecError

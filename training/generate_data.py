@@ -6,9 +6,10 @@
 
 Takes each conversation's first user turn (and system message), generates the reply with the
 target (greedy by default) through selfspec's batch engine (``--batch-size`` requests decoded together, each
-written as it finishes; ``--engine transformers``: left-padded ``model.generate`` batches instead), and appends
-``{"id", "category", "messages"}`` lines. A rerun skips the ids already written, so a killed run resumes where it
-stopped.
+written as it finishes, drafted by ``--heads`` where given, else by prompt lookup: the replies are the target's own
+either way; ``--engine transformers``: left-padded ``model.generate`` batches instead), and appends
+``{"id", "category", "messages"}`` lines. A rerun skips the ids already written and first cuts a torn last line (a
+run killed mid-write), so a killed run resumes where it stopped without a duplicate or a broken line.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
+def repair_tail(path: Path) -> None:
+    """Cut a last line that a killed run left without its newline: the next rows then start on a line of their own
+    (its id was not counted as done, so that conversation is generated again)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        path.write_bytes(data[:data.rfind(b"\n") + 1])
+
+
 def contiguous_head_input(model) -> None:
     """Make the LM head's input contiguous: after prefill ``generate`` passes it a slice (B, 1, H), which
     torch's CPU matmul turns into a batched product copying the whole head B times (seconds per batch)."""
@@ -56,6 +67,7 @@ def selfspec_replies(model, tokenizer, todo: list, args: argparse.Namespace):
     """(item, reply) for every item of ``todo`` (``(example, messages, ids)``) as its request finishes, decoded
     ``args.batch_size`` at a time by selfspec's batch engine (prompt lookup drafting where the load lets it pay)."""
     from selfspec.batching import BatchEngine
+    from selfspec.checkpoint import load_heads
     from selfspec.drafters.prompt_lookup import PromptLookupDrafter
     from selfspec.engine import DecodeConfig
     from selfspec.sampling import SamplingConfig
@@ -63,7 +75,9 @@ def selfspec_replies(model, tokenizer, todo: list, args: argparse.Namespace):
     if not todo:
         return
     context = max(len(ids) for _, _, ids in todo) + args.max_new_tokens
-    engine = BatchEngine(model, PromptLookupDrafter(), tokenizer, max_batch=args.batch_size, context=context)
+    heads = getattr(args, "heads", None)
+    drafter = load_heads(model, heads, tokenizer=tokenizer)[1] if heads else PromptLookupDrafter()
+    engine = BatchEngine(model, drafter, tokenizer, max_batch=args.batch_size, context=context)
     sampling = SamplingConfig(temperature=args.temperature)
     items = {engine.add(item[2], DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=sampling,
                                               seed=args.seed + i)): item for i, item in enumerate(todo)}
@@ -109,6 +123,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
     p.add_argument("--engine", choices=("selfspec", "transformers"), default="selfspec",
                    help="selfspec's batch engine (continuous batching, default) or transformers' generate")
+    p.add_argument("--heads", help="a heads folder that drafts in the batch engine (default: prompt lookup); the "
+                   "replies are the target's own either way")
     p.add_argument("--dtype", default="float32",
                    help="bfloat16 on GPUs and AMX CPUs (here: 1.5 vs 0.27 TFLOP/s in large matmuls; Qwen 1.5B: ~1.8 s a reply at batch 48)")
     p.add_argument("--device", default="cpu")
@@ -124,6 +140,7 @@ def main() -> int:
         return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    repair_tail(out)
     seen = done_ids(out)
     todo = []
     for ex in ds:
@@ -134,7 +151,7 @@ def main() -> int:
         if len(ids) <= args.max_prompt_tokens:
             todo.append((ex, msgs, ids))
     replies = (selfspec_replies if args.engine == "selfspec" else transformers_replies)(model, tok, todo, args)
-    with out.open("a") as f, tqdm(total=len(todo), desc="self-distill", unit="conv") as bar:
+    with out.open("a") as f, tqdm(total=len(todo), desc="self-distill", unit="reply") as bar:  # replies/s
         for (ex, msgs, _), reply in replies:
             if reply:
                 row = {"id": ex["id"], "category": ex["category"],
