@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
                           smooth=not args.no_smoothing, default_max_tokens=args.max_new_tokens,
                           decode=decode_config(args), api_keys=keys, metrics_public=args.metrics_public,
                           max_body=int(args.max_body_mib * 2**20), request_timeout=args.request_timeout,
-                          log_prompts=args.log_prompts, recorder=rec)
+                          log_prompts=args.log_prompts, recorder=rec, heads=args.heads,
+                          load_heads=heads_loader(args, model, tokenizer) if args.heads else None)
     cache = f"{args.prefix_cache:g} MiB prefix cache" if engine.prefix is not None else "no prefix cache"
     access = f"{len(keys)} API key{'s' if len(keys) > 1 else ''}" if keys else "no API key"
     print(f"selfspec serve: {config.model_name} in {dtype_name(model_dtype(model))} (batches of up to "
@@ -117,6 +118,18 @@ def run(args: argparse.Namespace) -> int:
     serve(engine, tokenizer, config, host=args.host, port=args.port, log_level=args.log_level,
           graceful_timeout=args.graceful_timeout)
     return 0
+
+
+def heads_loader(args: argparse.Namespace, model, tokenizer):
+    """A heads folder -> its drafter, built as --heads built the serving one (POST /v1/heads/reload)."""
+    import copy
+
+    def load(folder: str):
+        again = copy.copy(args)
+        again.heads = folder
+        return build_drafter(again, model, tokenizer)
+
+    return load
 
 
 def recorder(args: argparse.Namespace):

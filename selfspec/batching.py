@@ -129,6 +129,17 @@ class BatchEngine:
         self.waiting.append(req)
         return req
 
+    def swap_drafter(self, drafter) -> None:
+        """Draft new requests with ``drafter`` (newer heads for the same target); requests in flight keep the drafter
+        they started with (its state is theirs), so no output changes (every output is the target's either way).
+        Refused, as one line, when it reads other target layers than the drafter it replaces (rows share a pass)."""
+        old = self.drafter
+        layers = lambda d: d.state_layers if d is not None and d.needs_hidden_states else ()  # noqa: E731
+        if layers(drafter) != layers(old):
+            raise SelfspecError(f"the new drafter reads the target's layers {list(layers(drafter))}, the serving one "
+                                f"{list(layers(old))}: heads of another family or layout need a restart")
+        self.drafter = self.engine.drafter = drafter
+
     def cancel(self, req: Request) -> None:
         """Stop ``req``: it gives its row back at the next step."""
         req.cancelled = True
@@ -197,7 +208,8 @@ class BatchEngine:
         for the whole batch."""
         if len(rows) == 1:
             return [rows[0].draft()]
-        chains = self.drafter is not None and self.drafter.drafts_batches and all(row.cfg.adaptive for row in rows)
+        chains = (self.drafter is not None and self.drafter.drafts_batches and all(row.cfg.adaptive for row in rows)
+                  and all(row.drafter is self.drafter for row in rows))  # during a swap: each row drafts on its own
         depth = self.budget.depth(rows, self.target.pass_shape, chains)
         if chains and depth:
             t0 = time.perf_counter()

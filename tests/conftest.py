@@ -216,7 +216,8 @@ def tree_path(tree, node: int) -> list[int]:
 class Live:
     """``selfspec serve``'s app over a tiny model, served by uvicorn in a thread on a free port."""
 
-    def __init__(self, model_name: str, batch: int = 4, **config) -> None:
+    def __init__(self, model_name: str, batch: int = 4, drafter=None, **config) -> None:
+        """``drafter(model, tokenizer)``: the engine's drafter (default: prompt lookup); ``config``: ServerConfig's."""
         import uvicorn
 
         from selfspec.batching import BatchEngine
@@ -225,8 +226,9 @@ class Live:
 
         self.model_name = model_name
         self.tokenizer = make_tokenizer()
-        model = tiny_model(3, vocab=len(self.tokenizer), hidden=32)
-        self.engine = BatchEngine(model, PromptLookupDrafter(), self.tokenizer, max_batch=batch, context=256)
+        self.model = model = tiny_model(3, vocab=len(self.tokenizer), hidden=32)
+        first = drafter(model, self.tokenizer) if drafter is not None else PromptLookupDrafter()
+        self.engine = BatchEngine(model, first, self.tokenizer, max_batch=batch, context=256)
         self.app = create_app(self.engine, self.tokenizer, ServerConfig(model_name=model_name, **config))
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))

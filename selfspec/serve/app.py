@@ -12,6 +12,7 @@ import time
 from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +31,7 @@ from .record import Recorder
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_chunk, chat_response, completion_chunk,
                        completion_response, error_body, new_id, usage, usage_chunk)
 from .telemetry import Telemetry
-from .worker import Burst, EngineWorker, Finished, Job
+from .worker import Burst, EngineWorker, Finished, Job, Swap
 
 ERROR_STATUS = {"invalid_request_error": 400, "timeout_error": 408, "unavailable": 503, "server_error": 500}
 
@@ -50,6 +51,8 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds from arrival; a request still decoding then ends with 408
     log_prompts: bool = False  # the access log's lines carry the prompt text
     recorder: Recorder | None = None  # --record: finished requests appended for training (none: nothing kept)
+    heads: str | None = None  # the heads folder serving at start (a name for /metrics)
+    load_heads: Callable[[str], object] | None = None  # a heads folder -> its drafter (POST /v1/heads/reload)
 
 
 class Server:
@@ -62,6 +65,26 @@ class Server:
                                    on_step=self.telemetry.on_step)
         self.vocab = engine.model.get_output_embeddings().out_features
         self.created = int(time.time())
+        if config.heads:
+            self.worker.heads = config.heads
+            self.telemetry.serving(config.heads)
+
+    async def reload_heads(self, path: str) -> dict:
+        """Newer heads for the same target, loaded beside the serving ones and swapped in between two engine steps;
+        a folder that cannot serve (another base, a truncated file, another family) is refused and the old heads
+        keep serving."""
+        if self.config.load_heads is None:
+            raise APIError(400, "this server was started without --heads: there are no heads to reload", param="path")
+        try:
+            drafter = await asyncio.to_thread(self.config.load_heads, path)
+        except SelfspecError as exc:
+            raise APIError(400, f"the heads in {path} cannot serve here: {exc}", param="path") from None
+        swap = Swap(drafter, path)
+        await asyncio.to_thread(self.worker.swap, swap)
+        if swap.error is not None:
+            raise APIError(400, f"the heads in {path} cannot serve here: {swap.error}", param="path")
+        self.telemetry.serving(path)
+        return {"object": "heads", "heads": path, "drafter": getattr(drafter, "name", "none")}
 
     # --- requests -> jobs ----------------------------------------------------------------------------
 
@@ -328,6 +351,17 @@ def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         return await server.handle(req, request, "completions")
+
+    @app.post("/v1/heads/reload")
+    async def reload(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise APIError(400, 'the body must be {"path": "<heads folder>"}', param="path")
+        return await server.reload_heads(path)
 
     @app.get("/v1/models")
     async def models():

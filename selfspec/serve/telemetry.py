@@ -50,6 +50,10 @@ class Telemetry:
                                    "Gaps between tokens sent to a streaming client", GAP_BUCKETS))
         self.queued = r.add(Histogram("selfspec_queue_wait_seconds", "From a request's arrival to its start"))
         self.duration = r.add(Histogram("selfspec_request_duration_seconds", "From arrival to the last token sent"))
+        self.heads = r.add(Gauge("selfspec_heads_info", "Heads folders: 1 for the one new requests draft with"))
+        self.heads_tau = r.add(Gauge("selfspec_heads_mean_accepted_tokens",
+                                     "tau of the finished requests each heads folder drafted (tokens / row passes)"))
+        self._by_heads: dict[str, list[float]] = {}  # heads -> [tokens, row passes]
 
     def on_finish(self, job: Job, end: Finished) -> None:
         """Engine thread: count what the request's decoding did."""
@@ -65,6 +69,17 @@ class Telemetry:
         self.tau.set(self.tokens.value() / passes if passes else 0.0)
         if job.started is not None:
             self.queued.observe(job.started - job.submitted)
+        if job.heads is not None and s.target_forwards:
+            total = self._by_heads.setdefault(job.heads, [0.0, 0.0])
+            total[0] += s.new_tokens
+            total[1] += s.target_forwards
+            self.heads_tau.set(total[0] / total[1], heads=job.heads)
+
+    def serving(self, heads: str) -> None:
+        """``heads`` now drafts new requests."""
+        for key in list(self.heads.values):
+            self.heads.values[key] = 0.0
+        self.heads.set(1, heads=heads)
 
     def on_step(self, step: StepStats) -> None:
         """Engine thread: one batched pass over ``step.rows`` requests verified ``step.drafted`` draft tokens."""

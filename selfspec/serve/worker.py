@@ -47,6 +47,16 @@ class Finished:
 
 
 @dataclass
+class Swap:
+    """Newer heads to draft with, handed to the engine thread, which applies them between steps."""
+
+    drafter: object
+    name: str
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+@dataclass
 class Job:
     """One request's prompt, settings and outbox."""
 
@@ -57,6 +67,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
+    heads: str | None = None  # the heads serving when it started (they draft it to its end)
     deadline: float | None = None  # time.monotonic() past which the request ends with a timeout (None: never)
     tokens: list[int] = field(default_factory=list)  # committed so far
 
@@ -97,6 +108,8 @@ class EngineWorker:
         self.stopping = False
         self.failure: str | None = None  # why the engine thread died, if it did
         self.request_s: float | None = None  # moving average of a request's decoding time (for Retry-After)
+        self.heads: str | None = None  # the heads new requests draft with (a name for /metrics)
+        self.swap_pending: Swap | None = None
         self.thread = threading.Thread(target=self._loop, name="selfspec-engine", daemon=True)
 
     @property
@@ -116,6 +129,30 @@ class EngineWorker:
         self.jobs.put(job)
         return True
 
+    def swap(self, swap: Swap, timeout: float = 60.0) -> None:
+        """Hand newer heads to the engine thread and wait until it drafts new requests with them (between two steps;
+        at once when idle); ``swap.error`` says why it refused them."""
+        with self.lock:
+            if not self.accepting:
+                swap.error = "the server is shutting down"
+                return
+            self.swap_pending = swap
+        self.jobs.put(swap)  # wakes an idle engine thread
+        if not swap.done.wait(timeout):
+            swap.error = f"the engine thread did not take the new heads within {timeout:.0f} s"
+
+    def _apply_swap(self) -> None:
+        with self.lock:
+            swap, self.swap_pending = self.swap_pending, None
+        if swap is None:
+            return
+        try:
+            self.engine.swap_drafter(swap.drafter)
+            self.heads = swap.name
+        except SelfspecError as exc:
+            swap.error = str(exc)
+        swap.done.set()
+
     def retry_after(self) -> int:
         """Seconds a refused client should wait: the queue ahead of it, a batch at a time, at the measured time per
         request."""
@@ -131,7 +168,10 @@ class EngineWorker:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            if isinstance(job, Swap):
+                job.error = "the server is shutting down"
+                job.done.set()
+            elif job is not None:
                 with self.lock:
                     self.waiting -= 1
                 job.send(Finished("error", GenerationStats(), [], "the server is shutting down", "unavailable"))
@@ -141,6 +181,7 @@ class EngineWorker:
     def _loop(self) -> None:
         try:
             while self._admit():
+                self._apply_swap()
                 self._step()
         except BaseException as exc:  # the thread is dying: say why, and let nobody wait for it
             self._die(exc)
@@ -155,6 +196,9 @@ class EngineWorker:
             if job is None:
                 self.stopping = True
                 continue
+            if isinstance(job, Swap):  # a wake-up: applied here when idle, else before the next step
+                self._apply_swap()
+                continue
             req = None
             if job.cancelled.is_set():
                 self._finish(job, Finished("cancelled", GenerationStats(), []))
@@ -168,7 +212,7 @@ class EngineWorker:
             with self.lock:  # from the queue into the batch in one move, as submit counts them
                 self.waiting -= 1
                 if req is not None:
-                    job.started = time.monotonic()
+                    job.started, job.heads = time.monotonic(), self.heads
                     self.active[req] = job
         return bool(self.active) or not self.stopping
 
@@ -219,7 +263,10 @@ class EngineWorker:
             except queue.Empty:
                 break
         for waiting in pending:
-            if waiting is not None:
+            if isinstance(waiting, Swap):
+                waiting.error = f"the engine failed ({self.failure})"
+                waiting.done.set()
+            elif waiting is not None:
                 waiting.send(Finished("error", GenerationStats(), [], f"the engine failed ({self.failure})",
                                       "unavailable"))
 
