@@ -358,6 +358,35 @@ def test_generate_data_resumes_past_a_torn_line_without_duplicates(tmp_path) -> 
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ids
 
 
+def test_data_ratio_mixes_sources_by_share(tmp_path) -> None:
+    """Recorded traffic mixed with the original data by a ratio (``--data-ratio``): each source gives its share of the
+    examples; a source short of its share leaves the rest to the next; a bad ratio is refused when the config is
+    made."""
+    from selfspec.errors import SelfspecError
+    from selfspec.train.loop import load_examples
+
+    tok = make_tokenizer()
+    for name, n in (("traffic", 30), ("original", 30), ("short", 2)):
+        rows = [{"id": f"{name}{i}", "messages": [{"role": "user", "content": f"{name} {i}"},
+                                                   {"role": "assistant", "content": "ok"}]} for i in range(n)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = lambda *names: ",".join(str(tmp_path / f"{n}.jsonl") for n in names)  # noqa: E731
+
+    def firsts(cfg, limit):
+        texts = [tok.decode(ex["input_ids"].tolist()) for ex in load_examples(cfg, tok, "all", limit)]
+        return [next(n for n in ("traffic", "original", "short") if n in t) for t in texts]
+
+    cfg = _cfg("medusa", source("traffic", "original"), tmp_path / "out", data_ratio="0.3,0.7")
+    got = firsts(cfg, 10)
+    assert got.count("traffic") == 3 and got.count("original") == 7
+    assert firsts(_cfg("medusa", source("traffic", "original"), tmp_path / "o"), 10).count("traffic") == 10  # in order
+    got = firsts(_cfg("medusa", source("short", "original"), tmp_path / "o", data_ratio="1,1"), 10)
+    assert got.count("short") == 2 and got.count("original") == 8
+    for bad in ("0.5", "a,b", "0,0", "-1,2"):
+        with pytest.raises(SelfspecError, match="--data-ratio"):
+            _cfg("medusa", source("traffic", "original"), tmp_path / "o", data_ratio=bad)
+
+
 def test_data_with_nothing_to_train_on_is_refused_before_any_model_loads(tmp_path) -> None:
     """Prompts without replies (HumanEval's kind) are one line, before the model (here: none that exists) loads."""
     from selfspec.errors import SelfspecError

@@ -39,6 +39,7 @@ class TrainConfig:
     warm_start: str = ""  # heads of any family for this target to start from: what fits copied, the rest reported
     recount_draft_vocab: bool = False  # EAGLE with --init-from or --warm-start: choose the draft vocabulary again from this run's data
     data: str = "sharegpt"  # sharegpt | humaneval | .json/.jsonl file (e.g. generate_data.py's) | a folder of .jsonl (selfspec serve --record) | hub id; or several, comma-separated
+    data_ratio: str = ""  # shares of each --data source in the examples, comma-separated (e.g. 0.3,0.7: recorded traffic mixed with the original data); "" = sources fill in order
     max_examples: int = 2000
     max_length: int = 512
     heldout_fraction: float = 0.02
@@ -64,6 +65,27 @@ class TrainConfig:
             raise SelfspecError(f"unknown head family '{self.family}'; choose one of {', '.join(FAMILIES)}")
         if self.dtype not in DTYPE_CHOICES:
             raise SelfspecError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype}")
+        self.quotas(1)  # a --data-ratio that cannot be read is refused now
+
+    @property
+    def sources(self) -> list[str]:
+        """``data`` split at commas."""
+        return [s.strip() for s in self.data.split(",") if s.strip()]
+
+    def quotas(self, limit: int) -> list[int] | None:
+        """Examples each source gives out of ``limit`` by ``data_ratio`` (None: in order, each filling the rest)."""
+        if not self.data_ratio:
+            return None
+        try:
+            shares = [float(x) for x in self.data_ratio.split(",")]
+        except ValueError:
+            shares = []
+        if len(shares) != len(self.sources) or min(shares, default=-1) < 0 or sum(shares) <= 0:
+            raise SelfspecError(f"--data-ratio {self.data_ratio}: one share >= 0 per --data source "
+                                f"({len(self.sources)}), not all 0")
+        counts = [int(limit * share / sum(shares)) for share in shares]
+        counts[-1] += limit - sum(counts)
+        return counts
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise SelfspecError("mixed_precision must be no, bf16 or fp16")
         if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
@@ -86,7 +108,7 @@ def _flag(name: str) -> str:
 
 DICT_FLAGS = {"head_args": ("--head-arg", "a head hyperparameter, e.g. --head-arg num_heads=4 (repeatable)"),
               "loss_args": ("--loss-arg", "a loss setting of the family's objective, e.g. --loss-arg unroll=4 "
-                                          "(repeatable; selfspec/train/<family>.py lists them)")}
+                                          "(repeatable; selfspec/objectives/<family>.py lists them)")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,25 +47,31 @@ def load_examples(cfg: TrainConfig, tokenizer, split: str, limit: int) -> list[d
     """Tokenised conversations of one split (assistant-token loss masks).
 
     ``cfg.data`` may list several sources separated by commas (e.g. a self-distillation file, then
-    ``sharegpt``): they fill ``limit`` in order, and an id already taken from an earlier source is skipped.
+    ``sharegpt``): they fill ``limit`` in order, or by ``cfg.data_ratio``'s shares (a source short of its share
+    leaves the rest to the ones after it), and an id already taken from an earlier source is skipped.
     """
     conversations, seen = [], set()
-    for source in [s.strip() for s in cfg.data.split(",") if s.strip()]:
+    quotas = cfg.quotas(limit)
+    for i, source in enumerate(cfg.sources):
         if len(conversations) >= limit:
             break
-        ds = load_chat_dataset(source, split=split, heldout_fraction=cfg.heldout_fraction,
-                               limit=limit - len(conversations) + len(seen))
+        want = limit - len(conversations) if quotas is None else sum(quotas[:i + 1]) - len(conversations)
+        if want <= 0:
+            continue
+        ds = load_chat_dataset(source, split=split, heldout_fraction=cfg.heldout_fraction, limit=want + len(seen))
+        taken = 0
         for ex_id, messages in zip(ds["id"], ds["messages"]):
-            if ex_id not in seen and len(conversations) < limit:
+            if ex_id not in seen and taken < want:
                 seen.add(ex_id)
                 conversations.append(messages)
+                taken += 1
     return tokenize_all(tokenizer, conversations, cfg.max_length)
 
 
 def check_data(cfg: TrainConfig, look: int = 200) -> None:
     """Refuse, before any model loads, data that has nothing to train on: no source of ``cfg.data`` whose first
     ``look`` training conversations hold an assistant reply (HumanEval's prompts, a prompts-only file)."""
-    sources = [s.strip() for s in cfg.data.split(",") if s.strip()]
+    sources = cfg.sources
     for source in sources:
         for ex in islice(iter_examples(source, "train", cfg.heldout_fraction), look):
             if any(m.get("role") == "assistant" and m.get("content") for m in ex["messages"]):
