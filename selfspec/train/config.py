@@ -66,6 +66,13 @@ class TrainConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise SelfspecError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype}")
         self.quotas(1)  # a --data-ratio that cannot be read is refused now
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise SelfspecError("mixed_precision must be no, bf16 or fp16")
+        if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
+            raise SelfspecError("batch_size, gradient_accumulation_steps and epochs must be >= 1")
+        if self.warm_start and self.init_from:
+            raise SelfspecError("--warm-start and --init-from both choose where the heads start: give one")
+        self.loss = loss_settings(self.family, self.loss_args)  # checked now, before any model loads
 
     @property
     def sources(self) -> list[str]:
@@ -86,13 +93,6 @@ class TrainConfig:
         counts = [int(limit * share / sum(shares)) for share in shares]
         counts[-1] += limit - sum(counts)
         return counts
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise SelfspecError("mixed_precision must be no, bf16 or fp16")
-        if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
-            raise SelfspecError("batch_size, gradient_accumulation_steps and epochs must be >= 1")
-        if self.warm_start and self.init_from:
-            raise SelfspecError("--warm-start and --init-from both choose where the heads start: give one")
-        self.loss = loss_settings(self.family, self.loss_args)  # checked now, before any model loads
 
 
 def _parse_value(text: str) -> Any:
