@@ -13,7 +13,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from selfspec.dtypes import cpu_flags, cpu_model
+from selfspec.cpu import cpu_flags, cpu_model
 
 FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")  # the ones that change what runs and how fast
 

@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from .cpu import cpu_flags, cpu_model
+from .cpu import cpu_flags
 from .errors import SelfspecError
-from .disk_cache import cached
+from .disk_cache import cached, machine
 from .packed_linear import linear, pack_weight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names on the command line
@@ -51,11 +51,6 @@ class DtypeChoice:
 
     def __str__(self) -> str:
         return f"{dtype_name(self.dtype)} ({self.why})"
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU advertises bf16 arithmetic (x86 avx512_bf16 / amx_bf16, Arm bf16)."""
-    return bool(cpu_flags() & set(BF16_FLAGS))
 
 
 # --- the measurement ------------------------------------------------------------------------------------
@@ -108,8 +103,7 @@ def bf16_wins(ms: dict[str, float]) -> bool:
 def measured_cpu_dtype(hidden: int, out: int, timer: Callable[[], float] = time.perf_counter) -> DtypeChoice:
     """The cached verdict for this CPU, torch and shape class; measured (and cached) when there is none."""
     shape = shape_class(hidden, out)
-    key = {"cpu": cpu_model(), "bf16_flags": ",".join(sorted(cpu_flags() & set(BF16_FLAGS))),
-           "torch": torch.__version__, "shape": shape, "rule": RULE}
+    key = {**machine(), "shape": shape, "rule": RULE}
 
     def measure() -> tuple[str, dict]:
         ms = measure_linear_ms(*map(int, shape.split("x")), timer=timer)

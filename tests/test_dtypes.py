@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import selfspec.cpu as cpu
 import selfspec.dtypes as dt
 from selfspec.dtypes import choose_dtype, resolve_dtype
 from selfspec.errors import SelfspecError
@@ -31,7 +32,7 @@ def avx512_bf16(monkeypatch, tmp_path):
     """A CPU with avx512_bf16 and no AMX (the measured case), and a cache root of the test's own."""
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(dt, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    monkeypatch.setattr(dt, "cpu_model", lambda: "Test CPU")
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: "model name : Test CPU\nflags : avx512f avx512_bf16\n")  # the key's machine
     return tmp_path
 
 

@@ -311,7 +311,7 @@ def test_generate_data_through_the_batch_engine_gives_each_prompts_greedy_reply(
     model, tok = tiny_model(0, vocab=VOCAB), make_tokenizer()
     texts = ["say it 1", "a longer prompt here", "x", "one two one two one two", "abc"]
     todo = [({"id": str(i)}, None, tok.encode(t)) for i, t in enumerate(texts)]
-    args = argparse.Namespace(batch_size=2, max_new_tokens=12, temperature=0.0, seed=0)
+    args = argparse.Namespace(batch_size=2, max_new_tokens=12, temperature=0.0, seed=0, heads=None)
     got = {item[0]["id"]: reply for item, reply in gen.selfspec_replies(model, tok, todo, args)}
     alone = {str(i): tok.decode(SpeculativeEngine(model, None).generate(ids, DecodeConfig(max_new_tokens=12)).tokens,
                                 skip_special_tokens=True).strip() for i, (_, _, ids) in enumerate(todo)}

@@ -75,8 +75,7 @@ def selfspec_replies(model, tokenizer, todo: list, args: argparse.Namespace):
     if not todo:
         return
     context = max(len(ids) for _, _, ids in todo) + args.max_new_tokens
-    heads = getattr(args, "heads", None)
-    drafter = load_heads(model, heads, tokenizer=tokenizer)[1] if heads else PromptLookupDrafter()
+    drafter = load_heads(model, args.heads, tokenizer=tokenizer)[1] if args.heads else PromptLookupDrafter()
     engine = BatchEngine(model, drafter, tokenizer, max_batch=args.batch_size, context=context)
     sampling = SamplingConfig(temperature=args.temperature)
     items = {engine.add(item[2], DecodeConfig(max_new_tokens=args.max_new_tokens, sampling=sampling,

@@ -39,7 +39,6 @@ class Recorder:
         self.fd: int | None = None
         self.path: Path | None = None
         self.size = 0
-        self.lines = 0  # appended by this process
 
     def _open(self) -> None:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
@@ -54,9 +53,7 @@ class Recorder:
             if self.fd is None or self.size >= self.max_bytes:
                 self.close()
                 self._open()
-            written = os.write(self.fd, data)
-            self.size += written
-            self.lines += 1
+            self.size += os.write(self.fd, data)
 
     def close(self) -> None:
         if self.fd is not None:

@@ -54,6 +54,7 @@ class Telemetry:
         self.heads_tau = r.add(Gauge("selfspec_heads_mean_accepted_tokens",
                                      "tau of the finished requests each heads folder drafted (tokens / row passes)"))
         self._by_heads: dict[str, list[float]] = {}  # heads -> [tokens, row passes]
+        self._heads_seen: set[str] = set()
 
     def on_finish(self, job: Job, end: Finished) -> None:
         """Engine thread: count what the request's decoding did."""
@@ -77,9 +78,9 @@ class Telemetry:
 
     def serving(self, heads: str) -> None:
         """``heads`` now drafts new requests."""
-        for key in list(self.heads.values):
-            self.heads.values[key] = 0.0
-        self.heads.set(1, heads=heads)
+        self._heads_seen.add(heads)
+        for name in self._heads_seen:
+            self.heads.set(1 if name == heads else 0, heads=name)
 
     def on_step(self, step: StepStats) -> None:
         """Engine thread: one batched pass over ``step.rows`` requests verified ``step.drafted`` draft tokens."""
