@@ -17,9 +17,11 @@
               over their cache rows in place (the row attention kernel reads every row in place in one call)
 
 Exact (the default, as for the single-request static pass): each row attends over its own cache row exactly as
-that request's pass alone would (``exact.BatchPlan``), and the rows of a pass are padded to a power-of-two
-count whose total (rows x bucket) the start-up self-test checked, passes larger than that run in parts: a
-request's tokens are then bit-identical whoever shares its batch. Uncompiled: batch shapes vary every step.
+that request's pass alone would (``exact.BatchPlan``), and a pass's rows are padded (with dummy rows) until its
+tokens, rows x nodes, are a size of the row grid the start-up self-test checked for every linear (``exact.ROW_SIZES``:
+1, 2, 4, then multiples of 8, the sizes prompts are cached in too), passes of more than ``exact.ROW_MAX`` tokens
+running in parts of at most that: a request's tokens are then bit-identical whoever shares its batch. Uncompiled:
+batch shapes vary every step.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from . import row_attention
 from .attention import static_attention
 from .errors import SelfspecError
-from .exact import BatchPlan, plan_pass, row_chunks, width_for
+from .exact import ROW_MAX, BatchPlan, on_grid, plan_pass, width_for
 from .kv_cache import RowCache
 from .memory import kv_bytes_per_token
 from .static_pass import BUCKETS, StaticPass, ancestor_block, bucket_for, static_mask
@@ -39,9 +41,11 @@ from .tree import DraftTree
 from .verify import Verification, state_layers
 
 
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= ``n``."""
-    return 1 << max(n - 1, 0).bit_length()
+def grid_rows(rows: int, nodes: int) -> int:
+    """The fewest rows >= ``rows`` for which a pass of ``nodes`` nodes a row is on the row grid (``exact.on_grid``)."""
+    while not on_grid(rows * nodes):
+        rows += 1
+    return rows
 
 
 @dataclass
@@ -68,7 +72,7 @@ class BatchPass(StaticPass):
         self.name = "batched"
         self.max_batch, self.context = max_batch, context
         self.max_len = context + self.buckets[-1]  # slots per row: a pass pads past a request's last position
-        rows = next_pow2(max_batch) if self.exact else max_batch  # exact passes pad their rows to a power of two
+        rows = grid_rows(max_batch, 1) if self.exact else max_batch  # exact passes pad their rows onto the grid
         need = kv_bytes_per_token(model.config, self.dtype) * rows * self.max_len
         if memory_bytes is not None and need > memory_bytes:
             raise SelfspecError(f"the KV cache for {max_batch} requests of {context:,} positions needs "
@@ -184,7 +188,7 @@ class BatchPass(StaticPass):
             if slot.length + tree.size > self.max_len:
                 raise SelfspecError(f"a request's row is full ({slot.length} of {self.max_len} slots)")
         n_rows, b = self.pass_shape(max(by_row) + 1, max(tree.size for _, tree in items))
-        part = max(1, self.buckets[-1] // b) if self.exact else n_rows
+        part = max(1, ROW_MAX // b) if self.exact else n_rows
         out: dict[int, Verification] = {}
         for lo in range(0, n_rows, part):
             if any(lo <= r < lo + part for r in by_row):
@@ -194,12 +198,12 @@ class BatchPass(StaticPass):
 
     def pass_shape(self, rows: int, nodes: int) -> tuple[int, int]:
         """(rows, nodes per row) a pass over the first ``rows`` rows, trees of ``nodes`` nodes, runs (with padding):
-        exact, rows x nodes is a size the self-test checked (rows a power of two, at least its least rows)."""
+        exact, rows x nodes is on the row grid the self-test checked (and at least its least rows)."""
         nodes = bucket_for(nodes, (1, *self.buckets))
         if not self.exact:
             return rows, nodes
-        rows = next_pow2(rows)
-        return rows, max(nodes, -(-self.support.least // rows))
+        nodes = max(nodes, -(-self.support.least // rows))
+        return grid_rows(rows, nodes), nodes
 
     def _pass(self, by_row: dict[int, tuple[Slot, DraftTree]], lo: int, hi: int, b: int, layers: tuple[int, ...]
               ) -> dict[int, Verification]:
@@ -226,9 +230,8 @@ class BatchPass(StaticPass):
                 else:
                     mask[i] = static_mask(ancestor_block(tree.parents, b), start, width, self.dtype, self.device)[0]
             self.cache.rows, self.cache.write = slice(lo, hi), write.to(self.device)
-            with row_chunks(self.support):
-                logits, states = self._forward(ids.to(self.device), positions.to(self.device), mask, layers,
-                                               BatchPlan(plans, self.support.batched) if self.exact else None)
+            logits, states = self._forward(ids.to(self.device), positions.to(self.device), mask, layers,
+                                           BatchPlan(plans, self.support.batched) if self.exact else None)
         return {r: Verification(logits[r - lo, :tree.size], tuple(h[r - lo, :tree.size] for h in states) if layers
                                 else None) for r, (_, tree) in mine.items()}
 

@@ -27,14 +27,16 @@ work row by row. So the exact pass fixes how each query row attends:
               call it landed. Each call's query block per K/V head is padded with zero rows (``query_rows``:
               a lone row of SmolLM2's 3 or Qwen2.5's 6 query heads per K/V head to 8; a chain's stacked rows
               to the next count that aligns), which aligns every thread's buffers
-    linears   the self-test finds, per weight shape, the row counts (powers of two up to the largest bucket) whose
-              rows get the bits a plain step gives them: on the CPUs checked some shapes compute one row (a
+    linears   the self-test finds, per weight shape, the row counts of the row grid (``ROW_SIZES``: 1, 2, 4, then
+              multiples of 8 up to 256, the counts every exact forward is padded to) whose rows get the bits a
+              plain step gives them: on the CPUs checked some shapes compute one row (a
               matrix-vector product) with other bits than 2 to 64 rows (every linear of Qwen2.5-Coder-1.5B, only
               the MLP's down projection of SmolLM2-135M); such a packed linear runs a lone row beside a zero row
               (``padded``), and where every linear needs it the pass itself runs on two rows (its root and a
               padding row); a linear row-variant above some size (on an AMX CPU, SmolLM2's tied LM head above 32
               rows in bf16) runs in chunks of that size, packed or dense; a dense one row-variant below the
-              pass's least rows makes the pass inexact (said once)
+              pass's least rows makes the pass inexact (said once). These bounds are set on the linears once, when
+              the pass is built (``packed_linear.bound_linears``), not around each pass
 
 The self-test runs a few matmuls of the model's own shapes at start-up, cached per device, dtype and shape
 (``check_exact``): an assumption that holds on this CPU need not hold on another, or on a GPU.
@@ -43,7 +45,6 @@ The self-test runs a few matmuls of the model's own shapes at start-up, cached p
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -55,10 +56,17 @@ from .disk_cache import cached, machine
 
 log = logging.getLogger(__name__)
 
-PREFILL_ROWS = 256  # a prompt's tokens cached per forward at most, where the self-test allows (plain steps' bits)
-PREFILL_STEP = 8  # a prompt's forward is padded to a multiple of this many rows (each such count self-tested)
-PREFILL_SIZES = (*(1 << i for i in range(PREFILL_STEP.bit_length() - 1)),  # the row counts a prompt's forward may
-                 *range(PREFILL_STEP, PREFILL_ROWS + 1, PREFILL_STEP))  # have: powers of two, then multiples of 8
+# The row grid: the token counts every exact forward runs on (a prompt's chunk, one request's tree, a batch's rows x
+# nodes), each one self-tested. A forward of more than ROW_MAX tokens runs in parts of at most ROW_MAX.
+ROW_MAX = 256
+ROW_STEP = 8
+ROW_SIZES = (*(1 << i for i in range(ROW_STEP.bit_length() - 1)),  # powers of two below ROW_STEP, then its multiples
+             *range(ROW_STEP, ROW_MAX + 1, ROW_STEP))
+
+
+def on_grid(tokens: int) -> bool:
+    """Whether a forward of ``tokens`` rows is on the row grid (in parts of at most ``ROW_MAX`` where larger)."""
+    return tokens in ROW_SIZES or tokens % ROW_STEP == 0
 WIDTH_STEP = 32  # key widths are rounded up to this: fewer distinct widths (calls) per pass, <= 31 masked keys
 
 
@@ -437,12 +445,18 @@ class ExactSupport:
     least: int = 1  # rows a pass runs on at least (a plain step's root and a padding row when 2)
     batched: bool = True  # rows of equal width share an attention call
     reason: str = ""  # why not exact
-    chunked: dict[nn.Module, int] = field(default_factory=dict)  # linears run on at most that many rows
-    padded: dict[nn.Module, int] = field(default_factory=dict)  # packed linears run on at least that many rows
+    chunked: dict[str, int] = field(default_factory=dict)  # linears (by name) run on at most that many rows
+    padded: dict[str, int] = field(default_factory=dict)  # packed linears (by name) run on at least that many rows
+
+    def bound(self, model: nn.Module) -> None:
+        """Set these row bounds on ``model``'s linears, once (``packed_linear.bound_linears``)."""
+        from .packed_linear import bound_linears
+
+        bound_linears(model, self.chunked, self.padded)
 
 
-def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
-    """Run the self-test on ``model``'s shapes for passes padded to ``buckets`` rows (the LM head included)."""
+def check_exact(model: nn.Module) -> ExactSupport:
+    """Run the self-test on ``model``'s shapes for forwards of the row grid's sizes (the LM head included)."""
     from .memory import attention_layout
     from .packed_linear import PackedLinear
 
@@ -451,11 +465,10 @@ def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
         return ExactSupport(False, reason=f"the model attends with '{impl}', not 'sdpa'")
     param = next(p for p in model.parameters() if p.is_floating_point())
     device, dtype = param.device, param.dtype
-    sizes = tuple(1 << i for i in range(buckets[-1].bit_length()) if 1 << i <= buckets[-1])  # batched passes: 2^i
     found = {}
     for name, module in model.named_modules():
         if hasattr(module, "in_features") and hasattr(module, "out_features"):
-            found[name, module] = row_range(module, module.in_features, sizes, device, dtype)  # cached per shape
+            found[name, module] = row_range(module, module.in_features, ROW_SIZES, device, dtype)  # cached per shape
     dense = [least for (_, module), (least, _) in found.items() if not isinstance(module, PackedLinear)]
     # the pass itself runs on a dense linear's least rows, or on 2 when every linear needs them (one padding row
     # then costs less than one in each linear); a packed linear needing more rows than the pass pads its own input
@@ -465,23 +478,23 @@ def check_exact(model: nn.Module, buckets: tuple[int, ...]) -> ExactSupport:
         if most < max(least, module_least):
             return ExactSupport(False, reason=f"{name} ({module.in_features} -> {module.out_features}) gives a row "
                                               f"other bits in a pass of more than {most} rows")
-        if most < buckets[-1]:
-            chunked[module] = most
+        if most < ROW_SIZES[-1]:
+            chunked[name] = most
         if module_least > least:
-            padded[module] = module_least
+            padded[name] = module_least
     return ExactSupport(True, least, batching_keeps_rows(*attention_layout(model.config)[1:], device, dtype),
                         chunked=chunked, padded=padded)
 
 
 def prefill_rows(model: nn.Module) -> tuple[int, int]:
     """(least, most): every linear of the decoder (not the LM head: a prompt needs no logits) gives each row the same
-    bits in forwards of any of ``PREFILL_SIZES`` from ``least`` to ``most`` rows (most 0: no such range), each size
+    bits in forwards of any of ``ROW_SIZES`` from ``least`` to ``most`` rows (most 0: no such range), each size
     checked. Forwards of those sizes cache every prompt token with bits that depend on the tokens before it alone."""
     param = next(p for p in model.parameters() if p.is_floating_point())
-    least, most = 1, PREFILL_ROWS
+    least, most = 1, ROW_MAX
     for module in model.get_decoder().modules():
         if hasattr(module, "in_features") and hasattr(module, "out_features"):
-            module_least, module_most = row_range(module, module.in_features, PREFILL_SIZES, param.device,
+            module_least, module_most = row_range(module, module.in_features, ROW_SIZES, param.device,
                                                   param.dtype)
             least, most = max(least, module_least), min(most, module_most)
     return least, most if most >= least else 0
@@ -489,46 +502,11 @@ def prefill_rows(model: nn.Module) -> tuple[int, int]:
 
 def prefill_parts(n: int, most: int, least: int) -> list[tuple[int, int]]:
     """A prompt chunk of ``n`` tokens as forwards of (tokens, rows): ``most`` tokens while more are left, then the
-    rest padded to a row count of ``PREFILL_SIZES`` (at least ``least``): every forward's row count is one the
+    rest padded to a row count of ``ROW_SIZES`` (at least ``least``): every forward's row count is one the
     self-test checked, so every token gets its plain step's bits however the prompt is chunked."""
     parts = []
     while n > 0:
         c = min(n, most)
-        parts.append((c, next(size for size in PREFILL_SIZES if size >= max(c, least))))
+        parts.append((c, next(size for size in ROW_SIZES if size >= max(c, least))))
         n -= c
     return parts
-
-
-def chunked_linear(module: nn.Linear, rows: int, x: torch.Tensor) -> torch.Tensor:
-    """A dense linear over ``x``'s rows, at most ``rows`` rows per matmul."""
-    flat = x.reshape(-1, module.in_features)
-    out = torch.cat([nn.functional.linear(part, module.weight, module.bias) for part in flat.split(rows)])
-    return out.view(*x.shape[:-1], module.out_features)
-
-
-@contextmanager
-def row_chunks(support: ExactSupport):
-    """Inside, the linears the self-test found row-variant in large passes run in chunks that keep each row's bits
-    (a dense one through ``chunked_linear``, set as its instance's forward), and the packed ones that compute fewer
-    rows than the pass's least with other bits run padded."""
-    from functools import partial
-
-    from .packed_linear import PackedLinear
-
-    for module, rows in support.chunked.items():
-        if isinstance(module, PackedLinear):
-            module.max_rows = rows
-        else:
-            module.forward = partial(chunked_linear, module, rows)
-    for module, rows in support.padded.items():
-        module.min_rows = rows
-    try:
-        yield
-    finally:
-        for module in support.chunked:
-            if isinstance(module, PackedLinear):
-                module.max_rows = 0
-            else:
-                del module.forward  # the class's own again
-        for module in support.padded:
-            module.min_rows = 1

@@ -11,6 +11,9 @@ once into its own blocked layout faster (Qwen2.5-Coder-1.5B's linears, bf16, 2 c
     unpack_linears(model)   the dense ``nn.Linear`` modules back, bit for bit
     dense_linears(model)    a context: dense inside (e.g. to time stock ``transformers``), packed again after
                             (or, given the dense modules kept from before packing, swapped in and out)
+    bound_linears(model,..) the row counts the exact pass's self-test allows a linear, set once as fields
+                            (``max_rows``/``min_rows``; a dense linear becomes a ``RowBoundLinear``), kept
+                            through unpacking and packing again
 
 Under ``torch.compile`` a packed linear is one opaque operator, ``selfspec::packed_linear(x, key)``, that calls
 the module's own packed matmul: inductor fuses the small operations around it (norms, rotary, residual adds)
@@ -93,8 +96,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype, self.batch_hint = linear.weight.dtype, batch_hint
         self.blocks = 0
-        self.max_rows = 0  # > 0: at most this many rows per matmul (the exact pass sets it: selfspec/exact.py)
-        self.min_rows = 1  # fewer rows run padded with zero rows to this many (the exact pass sets it too)
+        # row bounds (``within_rows``), set once by the exact pass (``bound_linears``), kept through unpacking
+        self.max_rows, self.min_rows = getattr(linear, "max_rows", 0), getattr(linear, "min_rows", 1)
         self.key = next(_KEYS)
         _LIVE[self.key] = weakref.ref(self, lambda _, key=self.key: _LIVE.pop(key, None))
         self._pack(linear.weight)
@@ -116,23 +119,8 @@ class PackedLinear(nn.Module):
         return self.eager_forward(x)
 
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed matmul over ``x``'s rows (every dimension but the last): at most ``self.max_rows`` rows per
-        call if set, at least ``self.min_rows`` (zero rows added)."""
-        rows = x.numel() // self.in_features
-        if self.max_rows and rows > self.max_rows:
-            flat = x.reshape(rows, self.in_features)
-            out = torch.cat([self._padded(part) for part in flat.split(self.max_rows)])
-            return out.view(*x.shape[:-1], self.out_features)
-        if rows < self.min_rows:
-            return self._padded(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
-        return self._matmul(x)
-
-    def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (rows, in) through the matmul on at least ``self.min_rows`` rows."""
-        rows = x.shape[0]
-        if rows >= self.min_rows:
-            return self._matmul(x)
-        return self._matmul(torch.cat([x, x.new_zeros(self.min_rows - rows, self.in_features)]))[:rows]
+        """The packed matmul over ``x``'s rows (every dimension but the last), within the module's row bounds."""
+        return within_rows(self._matmul, x, self.out_features, self.max_rows, self.min_rows)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks == 1:
@@ -175,15 +163,65 @@ class PackedLinear(nn.Module):
             self.bias = state_dict[prefix + "bias"].to(self.dtype)
 
     def to_linear(self) -> nn.Linear:
-        """The dense ``nn.Linear`` this was packed from (bit-identical weights)."""
+        """The dense ``nn.Linear`` this was packed from (bit-identical weights), with its row bounds if it has any."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         linear.weight = nn.Parameter(self.rows(), requires_grad=False)
         if self.bias is not None:
             linear.bias = nn.Parameter(self.bias, requires_grad=False)
+        if (self.max_rows, self.min_rows) != (0, 1):
+            return RowBoundLinear(linear, self.max_rows, self.min_rows)
         return linear
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+def within_rows(matmul, x: torch.Tensor, out_features: int, max_rows: int = 0, min_rows: int = 1) -> torch.Tensor:
+    """``matmul`` over ``x``'s rows (every dimension but the last) on at most ``max_rows`` rows per call (0: no
+    limit) and at least ``min_rows`` (zero rows added, their outputs dropped): the row counts a kernel was
+    self-tested to give each row the bits of a plain step (``selfspec/exact.py``)."""
+    rows = x.numel() // x.shape[-1]
+    if not (max_rows and rows > max_rows) and rows >= min_rows:
+        return matmul(x)
+    flat = x.reshape(rows, x.shape[-1])
+    parts = flat.split(max_rows) if max_rows else (flat,)
+    out = torch.cat([matmul(part) if part.shape[0] >= min_rows else
+                     matmul(torch.cat([part, part.new_zeros(min_rows - part.shape[0], part.shape[1])]))[:part.shape[0]]
+                     for part in parts])
+    return out.view(*x.shape[:-1], out_features)
+
+
+class RowBoundLinear(nn.Linear):
+    """A dense ``nn.Linear`` (sharing the wrapped one's weight and bias: a tied LM head stays tied) that runs within
+    row bounds, as a ``PackedLinear`` does: at most ``max_rows`` rows per matmul, at least ``min_rows``."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int = 0, min_rows: int = 1) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.max_rows, self.min_rows = max_rows, min_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return within_rows(lambda rows: nn.functional.linear(rows, self.weight, self.bias), x, self.out_features,
+                           self.max_rows, self.min_rows)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, max_rows={self.max_rows}, min_rows={self.min_rows}"
+
+
+def bound_linears(model: nn.Module, max_rows: dict[str, int], min_rows: dict[str, int]) -> None:
+    """Give the linears named in ``max_rows`` / ``min_rows`` those row bounds, once: a packed one keeps them as
+    fields, a dense one is replaced by a ``RowBoundLinear`` sharing its weight (already bounded ones are updated)."""
+    swap = {}
+    for name in {*max_rows, *min_rows}:
+        module = model.get_submodule(name)
+        bounds = max_rows.get(name, 0), min_rows.get(name, 1)
+        if isinstance(module, (PackedLinear, RowBoundLinear)):
+            module.max_rows, module.min_rows = bounds
+        else:
+            swap[name] = RowBoundLinear(module, *bounds)
+    _swap(model, swap)
 
 
 def tied_output(model: nn.Module) -> nn.Module | None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -40,8 +39,7 @@ from transformers import StaticCache
 from .attention import static_attention
 from .errors import SelfspecError
 from . import row_attention
-from .exact import (ExactPlan, ExactSupport, check_exact, log as exact_log, plan_pass, prefill_parts, prefill_rows,
-                    row_chunks)
+from .exact import ExactPlan, ExactSupport, check_exact, log as exact_log, plan_pass, prefill_parts, prefill_rows
 from .memory import attention_layout
 from .packed_linear import is_packed, pack_linears
 from .paths import selfspec_home
@@ -123,7 +121,9 @@ class StaticPass:
         if exact and compile:
             self.support = ExactSupport(False, reason="the compiled pass is not exact")
         elif exact:
-            self.support = check_exact(model, self.buckets)
+            self.support = check_exact(model)
+            self.support.bound(model)  # the linears' row bounds, set once
+            self.head = model.get_output_embeddings()  # a bounded dense LM head is another module
         if exact and not self.support.exact:
             exact_log.warning("exact target pass unavailable: %s; speculative output may differ from plain "
                               "decoding by rounding (each difference is diagnosed)", self.support.reason)
@@ -206,8 +206,7 @@ class StaticPass:
             part[:c] = ids[done:done + c]
             plan = plan_pass(list(range(-1, c - 1)), list(range(c)), start + done, self.max_len, self.dtype,
                              self.device) if exact else None
-            with row_chunks(self.support) if exact else nullcontext():
-                states.append(self._prompt_forward(handle, part, start + done, c, layers, plan))
+            states.append(self._prompt_forward(handle, part, start + done, c, layers, plan))
             done += c
         self._prefilled(handle, start + done)
         return tuple(torch.cat(pieces) for pieces in zip(*states)) if layers else ()
@@ -275,8 +274,7 @@ class StaticPass:
             if self.exact:
                 plan = plan_pass(tree.parents, tree.depth, cache_len, self.max_len, self.dtype, self.device,
                                  self.support.batched)
-                with row_chunks(self.support):
-                    logits, states = self._forward(ids.to(self.device), positions.to(self.device), mask, layers, plan)
+                logits, states = self._forward(ids.to(self.device), positions.to(self.device), mask, layers, plan)
             else:
                 logits, states = self.step(ids.to(self.device), positions.to(self.device), mask, layers)
         # clone: a CUDA-graph replay reuses its output buffers at the next call

@@ -17,7 +17,7 @@ from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.heads import init_heads, make_drafter
-from selfspec.packed_linear import PackedLinear
+from selfspec.packed_linear import PackedLinear, RowBoundLinear, unpack_linears
 from selfspec.target_pass import make_target_pass
 from selfspec.tree import DraftTree
 
@@ -137,27 +137,32 @@ class RowVariant(nn.Linear):
 def test_the_self_test_detects_a_row_variant_linear(monkeypatch, tmp_path) -> None:
     buckets = (1, 4, 8, 16, 32, 64)
     cpu = torch.device("cpu")
-    for above, found in ((64, (1, 64)), (8, (1, 8)), (16, (1, 16))):
+    for above in (64, 8, 16):
         monkeypatch.setattr(exact, "_ROWS", {})  # results are cached per shape, in the process and on disk:
         monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path / str(above)))  # these modules share one
-        assert exact.row_range(RowVariant(above), 64, buckets, cpu, torch.bfloat16) == found
+        # the most rows found is the variant's limit; the least (1, or 2 where this CPU's one-row bf16 product
+        # rounds otherwise, as a matrix-vector kernel does for some weights) is the CPU's
+        assert exact.row_range(RowVariant(above), 64, buckets, cpu, torch.bfloat16)[1] == above
 
 
 def test_a_dense_linear_row_variant_in_large_passes_runs_in_chunks(monkeypatch, tmp_path) -> None:
-    """As SmolLM2's tied (so unpacked) LM head above 32 rows on an AMX CPU: the pass stays exact, that linear runs
-    on at most 16 rows per matmul inside the exact pass, and as itself again after."""
+    """As SmolLM2's tied (so unpacked) LM head above 32 rows on an AMX CPU: the pass stays exact, and that linear,
+    bounded once when the pass is built, runs on at most 16 rows per matmul (sharing the original's weight)."""
     monkeypatch.setattr(exact, "_ROWS", {})
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))  # verdicts on faked kernels stay out of the real cache
     model = bf16_model(0, "llama")
     down = model.model.layers[1].mlp.down_proj = RowVariant(16, 128, 64)  # dense (unpacked)
     target = make_target_pass(model, "static", pack=False)
-    assert target.exact and target.support.chunked == {down: 16}
+    # (this CPU's own dense bf16 kernels may bound other linears too: some round 8 rows otherwise than 1 or 4)
+    assert target.exact and target.support.chunked["model.layers.1.mlp.down_proj"] == 16
+    bounded = model.model.layers[1].mlp.down_proj
+    assert isinstance(bounded, RowBoundLinear) and bounded.max_rows == 16 and bounded.weight is down.weight
     x = torch.randn(64, 128, dtype=torch.bfloat16)
-    small = torch.cat([down(part) for part in x.split(16)])  # the bits of passes of up to 16 rows
+    small = torch.cat([down.forward(part) for part in x.split(16)])  # the bits of passes of up to 16 rows
     assert not torch.equal(down(x), small)  # the negative control: one large matmul rounds otherwise
-    with exact.row_chunks(target.support):
-        assert torch.equal(down(x), small)
-    assert "forward" not in vars(down) and not torch.equal(down(x), small)
+    assert torch.equal(bounded(x), small)
+    make_target_pass(model, "static", pack=False)  # a second pass on the same model keeps the bounds
+    assert model.model.layers[1].mlp.down_proj is bounded and bounded.max_rows == 16
 
 
 class LoneRowVariant(PackedLinear):
@@ -173,17 +178,19 @@ def test_a_packed_linear_that_computes_a_lone_row_otherwise_runs_it_beside_a_zer
     monkeypatch.setattr(exact, "_ROWS", {})
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
     model = bf16_model(0, "llama")
-    target = make_target_pass(model, "static")  # packs the linears
+    make_target_pass(model, "static")  # packs the linears
     mlp = model.model.layers[1].mlp
     mlp.down_proj = LoneRowVariant(nn.Linear(128, 64, bias=False, dtype=torch.bfloat16))
     monkeypatch.setattr(exact, "_ROWS", {})
-    support = exact.check_exact(model, target.buckets)
-    assert support.exact and support.least == 1 and support.padded == {mlp.down_proj: 2}  # only it, not the pass
     x = torch.randn(2, 128, dtype=torch.bfloat16)
-    with exact.row_chunks(support):
-        assert torch.equal(mlp.down_proj(x[:1]), mlp.down_proj(x)[:1])
-    assert not torch.equal(mlp.down_proj(x[:1]), mlp.down_proj(x)[:1])  # the negative control, outside
-    assert mlp.down_proj.min_rows == 1
+    assert not torch.equal(mlp.down_proj(x[:1]), mlp.down_proj(x)[:1])  # the negative control, before the self-test
+    support = exact.check_exact(model)
+    assert support.exact and support.least == 1  # only it runs on two rows, not the whole pass
+    assert support.padded == {"model.layers.1.mlp.down_proj": 2}
+    support.bound(model)
+    assert mlp.down_proj.min_rows == 2 and torch.equal(mlp.down_proj(x[:1]), mlp.down_proj(x)[:1])
+    unpack_linears(model)  # the bound travels with the weight: dense, then packed again
+    assert mlp.down_proj.min_rows == 2 and isinstance(mlp.down_proj, RowBoundLinear)
 
 
 def test_an_attention_kernel_that_batches_rows_differently_is_run_row_by_row(monkeypatch, tmp_path) -> None:
@@ -262,3 +269,48 @@ def test_each_row_of_a_batch_equals_plain_bit_for_bit_in_bf16(arch: str, drafter
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_without_the_exact_pass_a_batch_changes_some_rows_bf16_tokens(arch: str) -> None:
     assert any(batched != plain for plain, batched in (batch_outputs(arch, "none", False, seed) for seed in (5, 6)))
+
+
+class OffGrid(nn.Module):
+    """A linear whose kernel rounds otherwise (here: a coarser product) for any row count off the row grid, as a
+    kernel choosing its path by the number of rows might: only forwards of the grid's sizes give plain-step bits."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.weight = linear.in_features, linear.out_features, linear.weight
+        self.off_grid = 0  # forwards seen off the grid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight)
+        if x.numel() // self.in_features in exact.ROW_SIZES:
+            return out
+        self.off_grid += 1
+        return out * (1 + 2 ** -5)
+
+
+def off_grid_batch(monkeypatch, tmp_path, broken: bool) -> tuple[list[list[int]], list[list[int]], int]:
+    """(plain, batched, off-grid forwards): 8 requests 3 at a time through a model with an ``OffGrid`` linear."""
+    from selfspec import batch_pass
+    from selfspec.batching import BatchEngine
+
+    monkeypatch.setattr(exact, "_ROWS", {})
+    monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
+    if broken:  # the negative control: rows no longer padded onto the grid
+        monkeypatch.setattr(batch_pass, "grid_rows", lambda rows, nodes: rows)
+    model = bf16_model(5, "llama")
+    odd = model.model.layers[1].mlp.down_proj = OffGrid(model.model.layers[1].mlp.down_proj)
+    prompts = [prompt_for(40 + i, n, VOCAB) for i, n in enumerate((7, 23, 40, 12, 30, 50, 9, 3))]
+    cfg = DecodeConfig(max_new_tokens=NEW, max_depth=6, max_nodes=32)
+    plain = [SpeculativeEngine(model, None, backend="static").generate(p, cfg).tokens for p in prompts]
+    assert odd.off_grid == 0  # plain steps and prompts run on the grid
+    batch = BatchEngine(model, PromptLookupDrafter(), max_batch=3, context=256)
+    return plain, [r.tokens for r in batch.generate_batch(prompts, cfg)], odd.off_grid
+
+
+def test_every_batched_forward_runs_on_the_self_tested_row_grid(monkeypatch, tmp_path) -> None:
+    """Three requests at a time (3 rows: off the grid) still get plain decoding's tokens, because every pass is padded
+    onto the grid; with the padding removed, the same run does run off the grid and changes some tokens."""
+    plain, batched, off = off_grid_batch(monkeypatch, tmp_path, broken=False)
+    assert off == 0 and batched == plain
+    plain, batched, off = off_grid_batch(monkeypatch, tmp_path / "broken", broken=True)
+    assert off > 0 and batched != plain

@@ -16,7 +16,7 @@ from selfspec.batch_pass import BatchPass
 from selfspec.batching import BatchEngine
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig
-from selfspec.exact import PREFILL_SIZES, prefill_parts
+from selfspec.exact import ROW_SIZES, prefill_parts
 from selfspec.heads import init_heads, make_drafter
 from selfspec.prefix_cache import MIN_REUSE, PrefixCache
 from selfspec.tree import chain
@@ -45,7 +45,7 @@ def cached(target: BatchPass, prompt: torch.Tensor, chunks: list[int]) -> tuple[
 
 
 def test_prefill_forwards_have_row_counts_the_self_test_checked() -> None:
-    sizes = PREFILL_SIZES
+    sizes = ROW_SIZES
     for n in (1, 2, 3, 7, 8, 9, 100, 255, 256, 257, 700):
         for least in (1, 2):
             parts = prefill_parts(n, 256, least)

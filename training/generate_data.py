@@ -124,14 +124,15 @@ def main() -> int:
                    help="selfspec's batch engine (continuous batching, default) or transformers' generate")
     p.add_argument("--heads", help="a heads folder that drafts in the batch engine (default: prompt lookup); the "
                    "replies are the target's own either way")
-    p.add_argument("--dtype", default="float32",
-                   help="bfloat16 on GPUs and AMX CPUs (here: 1.5 vs 0.27 TFLOP/s in large matmuls; Qwen 1.5B: ~1.8 s a reply at batch 48)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default): what `selfspec serve` picks on this machine, so the replies are the greedy "
+                   "answers the server will verify against; float32 / bfloat16 to pin it")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(args.seed)
     try:
-        model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
         contiguous_head_input(model)
         ds = load_chat_dataset(args.data, split=args.split, limit=args.max_examples)
     except SelfspecError as exc:

@@ -68,8 +68,8 @@ class TrainConfig:
         self.quotas(1)  # a --data-ratio that cannot be read is refused now
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise SelfspecError("mixed_precision must be no, bf16 or fp16")
-        if self.batch_size < 1 or self.gradient_accumulation_steps < 1 or self.epochs < 1:
-            raise SelfspecError("batch_size, gradient_accumulation_steps and epochs must be >= 1")
+        if min(self.batch_size, self.gradient_accumulation_steps, self.epochs, self.save_every) < 1:
+            raise SelfspecError("batch_size, gradient_accumulation_steps, epochs and save_every must be >= 1")
         if self.warm_start and self.init_from:
             raise SelfspecError("--warm-start and --init-from both choose where the heads start: give one")
         self.loss = loss_settings(self.family, self.loss_args)  # checked now, before any model loads

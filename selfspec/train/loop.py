@@ -334,7 +334,7 @@ def run_epochs(cfg: TrainConfig, accelerator, run: Prepared, target, out: Path, 
         bar.set_postfix(loss=f"{row['loss']:.4f}")
         append_log(accelerator, log_path, {"step": step, "epoch": epoch, **row, "lr": run.scheduler.get_last_lr()[0],
                                            "elapsed_s": time.perf_counter() - start})
-        if step % run.steps_per_epoch == 0:  # a whole epoch is done
+        if step % run.steps_per_epoch == 0 and run.eval_examples:  # a whole epoch is done
             acc = evaluate(cfg, accelerator, accelerator.unwrap_model(run.heads), target, run.eval_examples)
             accelerator.print(f"epoch {epoch}: held-out top-1 by depth {[round(a, 3) for a in acc]}")
             append_log(accelerator, log_path, {"step": step, "epoch": epoch, "heldout_top1_by_depth": acc})
