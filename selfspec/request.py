@@ -261,9 +261,12 @@ class Request:
         self._last = None
 
     def close(self) -> None:
-        """The request ended (or was abandoned): its wall time; the drafter frees what it kept for it."""
+        """The request ended (or was abandoned): its wall time; the drafter frees what it kept for it, and the request
+        lets go of its last pass (a view into the whole batch's logits) and drafting context, so a caller that keeps
+        finished requests keeps their tokens and stats, not megabytes of tensors each."""
         if self.drafter is not None and self.dstate is not None:
             self.drafter.release(self.dstate)
             self.dstate = None
+        self._last, self.ctx = None, None
         sync_device(self.device)
         self.stats.total_s = time.perf_counter() - self.started

@@ -269,6 +269,20 @@ def test_a_cancelled_request_frees_its_row_at_the_next_step() -> None:
     assert rest[id(c)] == solo(model, PromptLookupDrafter(), ids(2, 5), DecodeConfig(max_new_tokens=40))
 
 
+def test_a_finished_request_keeps_its_tokens_and_stats_not_its_tensors() -> None:
+    """A caller may keep finished requests (a data generator keeps thousands): each lets go of its last pass, whose
+    logits are a view into the whole batch's, and of its drafting context and drafter state."""
+    model = tiny_model(8, vocab=VOCAB)
+    batch = BatchEngine(model, make("eagle", model, 1), max_batch=2, context=128)
+    done = [batch.add(ids(i, 5 + i), DecodeConfig(max_new_tokens=12)) for i in range(3)]
+    while batch.busy:
+        batch.step()
+    for req in done:
+        assert req.finished and req.generated and req.stats.target_forwards > 0
+        held = [v for v in vars(req).values() if isinstance(v, torch.Tensor) and v is not req.ids]
+        assert held == [] and req._last is None and req.ctx is None and req.dstate is None
+
+
 def test_rejection_sampling_per_row_keeps_the_distribution() -> None:
     model = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
     drafter = DraftModelDrafter(tiny_model(12, vocab=SAMPLING_VOCAB, hidden=16))

@@ -83,7 +83,7 @@ def selfspec_replies(model, tokenizer, todo: list, args: argparse.Namespace):
     while engine.busy:
         for req, _ in engine.step():
             if req.finished:
-                yield items[req], tokenizer.decode(req.generated, skip_special_tokens=True).strip()
+                yield items.pop(req), tokenizer.decode(req.generated, skip_special_tokens=True).strip()
 
 
 def transformers_replies(model, tokenizer, todo: list, args: argparse.Namespace):
