@@ -33,7 +33,7 @@ def pass_ms(target, cache, context: int, k: int, vocab: int) -> float:
     ids = torch.randint(0, vocab, (k,)).tolist()
     sync_device(target.device)
     start = time.perf_counter()
-    target.verify(cache, chain(ids[0], ids[1:]), context, False)
+    target.verify(cache, chain(ids[0], ids[1:]), context)
     sync_device(target.device)
     elapsed = time.perf_counter() - start
     target.keep(cache, context, [])
@@ -56,7 +56,7 @@ def measure_backends(model, context: int, ks: list[int], reps: int, backends: li
     targets = {b: make_target_pass(model, b) for b in backends}
     caches = {b: t.new_cache(context + max(ks)) for b, t in targets.items()}
     for b, t in targets.items():
-        t.prefill(caches[b], prompt, False)
+        t.prefill(caches[b], prompt)
     times = {b: {k: [] for k in ks} for b in backends}
     first: dict[str, dict[int, float]] = {b: {} for b in backends}
     for rep in range(reps + 1):

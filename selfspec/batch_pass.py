@@ -38,7 +38,7 @@ from .kv_cache import RowCache
 from .memory import kv_bytes_per_token
 from .static_pass import BUCKETS, StaticPass, ancestor_block, bucket_for, static_mask
 from .tree import DraftTree
-from .verify import Verification, state_layers
+from .verify import Verification
 
 
 def grid_rows(rows: int, nodes: int) -> int:
@@ -168,17 +168,16 @@ class BatchPass(StaticPass):
             layer.values[r, :, :n] = v[:, :n]
         slot.length = n
 
-    def verify(self, slot: Slot, tree: DraftTree, cache_len: int, hidden_states) -> Verification:
+    def verify(self, slot: Slot, tree: DraftTree, cache_len: int, layers: tuple[int, ...] = ()) -> Verification:
         """One request's pass (a batch of one)."""
         if cache_len != self._own(slot).length:
             raise SelfspecError(f"the request's row holds {slot.length} positions, not {cache_len}")
-        return self.verify_batch([(slot, tree)], hidden_states)[0]
+        return self.verify_batch([(slot, tree)], layers)[0]
 
     @torch.no_grad()
-    def verify_batch(self, items: list[tuple[Slot, DraftTree]], hidden_states) -> list[Verification]:
+    def verify_batch(self, items: list[tuple[Slot, DraftTree]], layers: tuple[int, ...] = ()) -> list[Verification]:
         """One pass over every request's root + tree (``items``, one per row, each row at most once): the
         target's logits (and the asked layers' states) per request, in the order of ``items``."""
-        layers = state_layers(hidden_states)
         if len({self._own(slot).row for slot, _ in items}) != len(items):
             raise SelfspecError("a batched pass verifies each request once")
         if self.exact and not row_attention.used(self.device, self.dtype):  # the row kernel reads any rows in place

@@ -54,7 +54,7 @@ class SpeculativeEngine:
 
     def check_config(self, cfg: DecodeConfig) -> None:
         """Refuse, as one line, settings this engine's target pass cannot run (before any request needs them)."""
-        buckets = getattr(self.target, "buckets", None)
+        buckets = self.target.buckets
         if buckets and cfg.max_nodes > buckets[-1]:
             raise SelfspecError(f"a draft tree of {cfg.max_nodes} nodes (--max-nodes) exceeds the largest the "
                                 f"{self.target.name} target pass runs ({buckets[-1]}): lower --max-nodes")

@@ -81,10 +81,10 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states=False, target=None, max_len: int = 0
+def prefill(model: torch.nn.Module, prompt: torch.Tensor, layers: tuple[int, ...] = (), target=None, max_len: int = 0
             ) -> tuple[DecodeState, tuple | None]:
-    """Cache the prompt except its last token (the first root). Returns the state and, if asked, hidden states
-    (``hidden_states``: True for the final layer, or indices into transformers' ``hidden_states``).
+    """Cache the prompt except its last token (the first root). Returns the state and, if asked, the hidden states of
+    ``layers`` (indices into transformers' ``hidden_states``: -1 is the final, normed one).
 
     ``target``: the target pass (default: eager); ``max_len``: the most positions the request will cache.
     """
@@ -92,7 +92,7 @@ def prefill(model: torch.nn.Module, prompt: torch.Tensor, hidden_states=False, t
     cache = target.new_cache(max(max_len, prompt.numel()))
     hs = None
     if prompt.numel() > 1:
-        hs = target.prefill(cache, prompt[:-1], hidden_states)
+        hs = target.prefill(cache, prompt[:-1], layers)
     return DecodeState(prompt.clone(), cache, prompt.numel()), hs
 
 
@@ -154,7 +154,7 @@ class Request:
         self.started = self.joined = time.perf_counter()
         self.cfg, self.stats = cfg, stats if stats is not None else GenerationStats()
         self.stats.dtype, self.stats.target_pass = dtype_name(model_dtype(engine.model)), engine.target.name
-        self.stats.exact = bool(getattr(engine.target, "exact", False))
+        self.stats.exact = engine.target.exact
         self.ids = engine.prompt_tensor(prompt)
         check_fits(engine.model.config, self.ids.numel(), cfg.max_new_tokens)  # before anything runs
         engine.check_config(cfg)
@@ -163,7 +163,7 @@ class Request:
         drafter = self.drafter
         self.need_hidden = drafter.state_layers if drafter is not None and drafter.needs_hidden_states else ()
         self.policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive,
-                                  cost=VerifyCost(buckets=getattr(engine.target, "buckets", None)))
+                                  cost=VerifyCost(buckets=engine.target.buckets))
         self.record = AdaptiveDepth(self.policy.max_depth)  # acceptance and drafting time over every source
         self.eos = eos_ids(engine.model, cfg)
         self.stops = StopTokens(engine.tokenizer, cfg.stop_strings)

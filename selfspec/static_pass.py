@@ -44,7 +44,7 @@ from .memory import attention_layout
 from .packed_linear import is_packed, pack_linears
 from .paths import selfspec_home
 from .tree import DraftTree, chain
-from .verify import Verification, cache_kwarg, state_layers
+from .verify import Verification, cache_kwarg
 
 BUCKETS = (1, 4, 8, 16, 32, 64)  # tree sizes (root included) a pass is padded to; one compiled graph each
 CACHE_STEP = 512  # the static cache grows in multiples of this (each size is another set of graphs)
@@ -180,14 +180,14 @@ class StaticPass:
             self.cache.crop(-extra)
 
     @torch.no_grad()
-    def prefill(self, handle: StaticHandle, ids: torch.Tensor, hidden_states) -> tuple[torch.Tensor, ...] | None:
+    def prefill(self, handle: StaticHandle, ids: torch.Tensor, layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, ...] | None:
         """Cache ``ids`` (1-D) from slot 0, eagerly (prompt lengths vary), in chunks of ``PREFILL_CHUNK`` tokens;
         the asked layers' states, (n, H) each."""
         self._own(handle)
         n = ids.numel()
         if n + self.buckets[-1] > self.max_len:
             raise SelfspecError(f"the prompt ({n} tokens) does not fit the static cache ({self.max_len})")
-        layers = state_layers(hidden_states)
         parts = [self.prefill_chunk(handle, ids[start:start + PREFILL_CHUNK], start, layers)
                  for start in range(0, n, PREFILL_CHUNK)]
         return tuple(torch.cat(states) for states in zip(*parts)) if layers else None
@@ -254,7 +254,8 @@ class StaticPass:
         self._truncate(length)
 
     @torch.no_grad()
-    def verify(self, handle: StaticHandle, tree: DraftTree, cache_len: int, hidden_states) -> Verification:
+    def verify(self, handle: StaticHandle, tree: DraftTree, cache_len: int, layers: tuple[int, ...] = ()
+               ) -> Verification:
         """One pass over root + tree padded to its bucket; nodes land in slots cache_len .. cache_len + n - 1."""
         self._own(handle)
         n = tree.size
@@ -266,7 +267,6 @@ class StaticPass:
         positions = torch.full((1, b), cache_len, dtype=torch.long)
         positions[0, :n] += torch.tensor(tree.depth)
         self.compiled_shapes.add((b, self.max_len))
-        layers = state_layers(hidden_states)
         with static_attention(self.model) as cut:
             # compiled graphs have fixed shapes (every slot); uncompiled, the pass reads only the slots it can see
             width = cache_len + b if cut and not self.compiled else self.max_len
@@ -280,17 +280,17 @@ class StaticPass:
         # clone: a CUDA-graph replay reuses its output buffers at the next call
         return Verification(logits[0, :n].clone(), tuple(h[0, :n].clone() for h in states) if layers else None)
 
-    def precompile(self, max_len: int, max_nodes: int, hidden_states=()) -> float:
+    def precompile(self, max_len: int, max_nodes: int, layers: tuple[int, ...] = ()) -> float:
         """Build, up front, the graphs a request of at most ``max_len`` positions drafting trees of at most
         ``max_nodes`` nodes will use (every bucket up to the one holding ``max_nodes``, asking for the states
-        ``hidden_states``), so that no compiling lands inside a timed request. Seconds spent (0 uncompiled)."""
+        ``layers``), so that no compiling lands inside a timed request. Seconds spent (0 uncompiled)."""
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
         handle = self.new_cache(max_len)
-        self.prefill(handle, torch.zeros(1, dtype=torch.long), False)
+        self.prefill(handle, torch.zeros(1, dtype=torch.long))
         for b in self.buckets[:self.buckets.index(bucket_for(max_nodes, self.buckets)) + 1]:
-            self.verify(handle, chain(0, [0] * (b - 1)), 1, hidden_states)
+            self.verify(handle, chain(0, [0] * (b - 1)), 1, layers)
             self.keep(handle, 1, [])
         return time.perf_counter() - start
 

@@ -1,6 +1,6 @@
 """How the engine runs the target: prefill, one pass over root + draft tree, and keeping the accepted path.
 
-Two implementations share this interface:
+``TargetPass`` declares the interface; the implementations:
 
     EagerPass    the model's own modules over a growing ``DynamicCache`` (any model, any shape: the reference)
     StaticPass   a preallocated KV cache, tree nodes written into their slots, tree sizes padded to a few
@@ -12,11 +12,13 @@ is opaque to the engine, which only passes it back.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from .kv_cache import cache_length, keep_entries, new_cache
 from .tree import DraftTree
-from .verify import Verification, forward_with_cache, state_layers, verify_tree
+from .verify import Verification, forward_with_cache, verify_tree
 
 BACKENDS = ("eager", "static", "compiled")  # what ``--target-pass`` / ``SpeculativeEngine(backend=...)`` accept
 AUTO_BACKEND_HELP = "compiled on CUDA (CUDA graphs), static on a CPU (compiled: 5-10%% faster passes after compiling)"
@@ -31,11 +33,36 @@ def resolve_backend(name: str, model: torch.nn.Module) -> str:
     return "compiled" if next(model.parameters()).device.type == "cuda" else "static"
 
 
+class TargetPass(Protocol):
+    """What the engines ask of a target pass. A request's cache (``handle``) is opaque: it is made by ``new_cache``
+    and passed back. ``layers`` name the hidden states a drafter reads, as indices into ``transformers``'
+    ``hidden_states`` (-1: the final, normed layer; () none)."""
+
+    name: str  # eager, static, compiled or batched: what the stats report
+    exact: bool  # every row of a pass computed as a plain step computes it (output bit-identical to plain decoding)
+    buckets: tuple[int, ...] | None  # tree sizes a pass is padded to (None: any size, unpadded)
+
+    def new_cache(self, max_len: int): ...
+
+    def release(self, handle) -> None: ...
+
+    def prefill(self, handle, ids: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...] | None: ...
+
+    def verify(self, handle, tree: DraftTree, cache_len: int, layers: tuple[int, ...] = ()) -> Verification: ...
+
+    def keep(self, handle, start: int, keep: list[int]) -> None: ...
+
+    def length(self, handle) -> int: ...
+
+    def draft_view(self, handle): ...
+
+
 class EagerPass:
     """The target's forward through public ``transformers`` arguments over a ``DynamicCache``."""
 
     name = "eager"
     exact = False  # a k-token pass may round a row differently from a one-token step (the reference, not exact)
+    buckets = None  # any tree size, unpadded
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -46,17 +73,16 @@ class EagerPass:
         return new_cache(self.model)
 
     @torch.no_grad()
-    def prefill(self, cache, ids: torch.Tensor, hidden_states) -> tuple[torch.Tensor, ...] | None:
-        """Cache ``ids`` (1-D, CPU) from position 0; the asked layers' states, (n, H) each (``verify.state_layers``)."""
+    def prefill(self, cache, ids: torch.Tensor, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...] | None:
+        """Cache ``ids`` (1-D, CPU) from position 0; the states of ``layers``, (n, H) each."""
         x = ids.to(self.device)[None]
-        layers = state_layers(hidden_states)
         out = forward_with_cache(self.model, x, cache, position_ids=torch.arange(x.shape[1], device=self.device)[None],
                                  hidden_states=bool(layers), logits_to_keep=1)
         return tuple(out.hidden_states[i][0] for i in layers) if layers else None
 
-    def verify(self, cache, tree: DraftTree, cache_len: int, hidden_states) -> Verification:
+    def verify(self, cache, tree: DraftTree, cache_len: int, layers: tuple[int, ...] = ()) -> Verification:
         """One pass over root + tree, appending every node to ``cache``."""
-        return verify_tree(self.model, cache, tree, cache_len, hidden_states=hidden_states)
+        return verify_tree(self.model, cache, tree, cache_len, layers)
 
     def release(self, cache) -> None:
         """The request is done with ``cache`` (a dynamic cache is simply dropped)."""
@@ -74,7 +100,7 @@ class EagerPass:
         return cache
 
 
-def make_target_pass(model: torch.nn.Module, backend: str = "eager", exact: bool = True, **options):
+def make_target_pass(model: torch.nn.Module, backend: str = "eager", exact: bool = True, **options) -> TargetPass:
     """The target pass named ``backend`` (one of ``BACKENDS``) for ``model``; ``exact``: the static pass computes
     every row as a plain step does where this device allows (``selfspec/exact.py``; the eager pass never does)."""
     from .errors import SelfspecError

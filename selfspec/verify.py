@@ -37,24 +37,16 @@ def check_tree_attention(model: torch.nn.Module) -> None:
                             f"this model uses '{impl}': load it with attn_implementation='sdpa'")
 
 
-def state_layers(hidden_states) -> tuple[int, ...]:
-    """What a target pass's ``hidden_states`` argument asks for, as indices into ``transformers``' ``hidden_states``:
-    False/None/() none, True the final normed layer (-1), or the given indices."""
-    if hidden_states is True:
-        return (-1,)
-    return tuple(int(i) for i in hidden_states) if hidden_states else ()
-
-
 @dataclass
 class Verification:
     """What the target says about every node of a tree."""
 
     logits: torch.Tensor  # (N, V): the target's next-token logits after each node
-    hidden_states: tuple[torch.Tensor, ...] | None  # (N, H) per asked layer (``state_layers``); None unless asked
+    hidden_states: tuple[torch.Tensor, ...] | None  # (N, H) per asked layer (a pass's ``layers``); None unless asked
 
 
 @torch.no_grad()
-def verify_tree(model: torch.nn.Module, cache, tree: DraftTree, cache_len: int, hidden_states=False
+def verify_tree(model: torch.nn.Module, cache, tree: DraftTree, cache_len: int, layers: tuple[int, ...] = ()
                 ) -> Verification:
     """Run the target once over ``tree`` (root included), appending every node to ``cache``.
 
@@ -70,7 +62,6 @@ def verify_tree(model: torch.nn.Module, cache, tree: DraftTree, cache_len: int, 
         check_tree_attention(model)
         pos = tree_position_ids(tree, cache_len, device)
         mask = additive_mask(tree_attention_mask(tree, cache_len, device), next(model.parameters()).dtype)
-    layers = state_layers(hidden_states)
     out = forward_with_cache(model, ids, cache, position_ids=pos, attention_mask=mask, hidden_states=bool(layers))
     hs = tuple(out.hidden_states[i][0] for i in layers) if layers else None
     return Verification(out.logits[0], hs)

@@ -169,7 +169,7 @@ def test_rows_are_aligned_in_a_batched_pass(exact: bool) -> None:
     slots = []
     for p in prompts:
         slot = target.new_cache(len(p) + 8)
-        target.prefill(slot, torch.tensor(p[:-1]), False)
+        target.prefill(slot, torch.tensor(p[:-1]))
         slots.append(slot)
     trees = [chain(prompts[0][-1], [1, 2, 3]), DraftTree(torch.tensor([prompts[1][-1], 4, 5, 6]), [-1, 0, 0, 1]),
              chain(prompts[2][-1], []), chain(prompts[3][-1], [7])]
@@ -177,22 +177,22 @@ def test_rows_are_aligned_in_a_batched_pass(exact: bool) -> None:
     def alone(i):
         own = BatchPass(model, 1, 256, exact=exact)
         slot = own.new_cache(len(prompts[i]) + 8)
-        own.prefill(slot, torch.tensor(prompts[i][:-1]), False)
-        return own.verify(slot, trees[i], slot.length, False).logits
+        own.prefill(slot, torch.tensor(prompts[i][:-1]))
+        return own.verify(slot, trees[i], slot.length).logits
 
     def same(a, b):
         return torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
     refs = [alone(i) for i in range(4)]
-    vers = target.verify_batch(list(zip(slots, trees)), False)
+    vers = target.verify_batch(list(zip(slots, trees)))
     assert all(same(v.logits, r) for v, r in zip(vers, refs))
     assert not same(vers[0].logits[:1], refs[1][:1])  # the check can fail: rows differ
     target.release(slots[0])  # the last row (prompt 3) moves into row 0, its entries copied
     assert slots[3].row == 0 and slots[0].row == -1
-    vers = target.verify_batch([(slots[3], trees[3]), (slots[1], trees[1])], False)
+    vers = target.verify_batch([(slots[3], trees[3]), (slots[1], trees[1])])
     assert same(vers[0].logits, refs[3]) and same(vers[1].logits, refs[1])
     with pytest.raises(SelfspecError, match="released"):
-        target.verify(slots[0], trees[0], 8, False)
+        target.verify(slots[0], trees[0], 8)
 
 
 def test_rows_of_one_key_width_are_made_adjacent_and_stay_aligned(monkeypatch) -> None:
@@ -208,7 +208,7 @@ def test_rows_of_one_key_width_are_made_adjacent_and_stay_aligned(monkeypatch) -
     slots = []
     for p in prompts:
         slot = target.new_cache(len(p) + 8)
-        target.prefill(slot, torch.tensor(p[:-1]), False)
+        target.prefill(slot, torch.tensor(p[:-1]))
         slots.append(slot)
     trees = [chain(prompts[0][-1], [1, 2]), DraftTree(torch.tensor([prompts[1][-1], 4, 5]), [-1, 0, 0]),
              chain(prompts[2][-1], []), chain(prompts[3][-1], [7]), chain(prompts[4][-1], [3])]
@@ -216,19 +216,19 @@ def test_rows_of_one_key_width_are_made_adjacent_and_stay_aligned(monkeypatch) -
     def alone(i):
         own = BatchPass(model, 1, 256, exact=True)
         slot = own.new_cache(len(prompts[i]) + 8)
-        own.prefill(slot, torch.tensor(prompts[i][:-1]), False)
-        return own.verify(slot, trees[i], slot.length, False).logits
+        own.prefill(slot, torch.tensor(prompts[i][:-1]))
+        return own.verify(slot, trees[i], slot.length).logits
 
     refs = [alone(i) for i in range(5)]
-    vers = target.verify_batch(list(zip(slots[:4], trees[:4])), False)
+    vers = target.verify_batch(list(zip(slots[:4], trees[:4])))
     assert [s.row for s in slots] == [1, 3, 0, 2, 4]  # longest first; the one left out after them
     assert [target.claimed[r] for r in range(5)] == [slots[2], slots[0], slots[3], slots[1], slots[4]]
     assert all(torch.equal(v.logits, r) for v, r in zip(vers, refs))
-    vers = target.verify_batch([(slots[4], trees[4]), (slots[1], trees[1])], False)  # rows 4 and 3 -> 0 and 1
+    vers = target.verify_batch([(slots[4], trees[4]), (slots[1], trees[1])])  # rows 4 and 3 -> 0 and 1
     assert [slots[4].row, slots[1].row] == [0, 1]
     assert torch.equal(vers[0].logits, refs[4]) and torch.equal(vers[1].logits, refs[1])
     target.release(slots[2])
-    vers = target.verify_batch(list(zip(slots[:2], trees[:2])) + [(slots[3], trees[3])], False)
+    vers = target.verify_batch(list(zip(slots[:2], trees[:2])) + [(slots[3], trees[3])])
     assert all(torch.equal(v.logits, refs[i]) for v, i in zip(vers, (0, 1, 3)))
 
 

@@ -238,7 +238,7 @@ def test_verify_cost_times_each_k_and_leaves_the_cache_as_it_was() -> None:
     for backend in ("eager", "static"):
         target = make_target_pass(model, backend)
         cache = target.new_cache(32)
-        target.prefill(cache, torch.tensor([1, 2, 3, 4, 5]), False)
+        target.prefill(cache, torch.tensor([1, 2, 3, 4, 5]))
         assert pass_ms(target, cache, 5, 3, 64) > 0
         assert target.length(cache) == 5  # the k timed tokens were rolled back again
         medians, first = measure(model, context=6, ks=[1, 4], reps=2, backend=backend)

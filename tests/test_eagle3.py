@@ -115,7 +115,7 @@ def test_tree_equals_uncached_recomputation(seed: int) -> None:
     head = perturb(init_heads("eagle3", model, top_k=3, draft_vocab_size=40), seed, 0.1)
     drafter = make_drafter(head, model)
     prompt = prompt_for(seed, 11)
-    state, hs = prefill(model, torch.tensor(prompt), hidden_states=drafter.state_layers)
+    state, hs = prefill(model, torch.tensor(prompt), layers=drafter.state_layers)
     ctx = DraftContext(state.tokens, state.cache_len, hs)
     tree, dstate = drafter.propose(drafter.start(ctx), ctx, DraftRequest(4, 14, SamplingConfig()))
     assert tree.max_depth >= 2 and tree.size == 14

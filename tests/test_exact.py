@@ -106,12 +106,12 @@ def test_a_rows_results_do_not_depend_on_the_other_rows(arch: str, attention: st
     results = []
     for other in ([1, 2, 3, 4, 5], [200, 100, 50, 25, 12]):
         handle = target.new_cache(64)
-        target.prefill(handle, prompt[:-1], False)
+        target.prefill(handle, prompt[:-1])
         ver = target.verify(handle, _tree([*chain_tokens, *other]), 29, (-1,))
         results.append((ver.logits[:6], ver.hidden_states[0][:6]))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     handle = target.new_cache(64)
-    target.prefill(handle, prompt[:-1], False)
+    target.prefill(handle, prompt[:-1])
     for i, tok in enumerate(chain_tokens):  # plain steps along the chain
         ver = target.verify(handle, DraftTree(torch.tensor([tok]), [-1]), 29 + i, (-1,))
         target.keep(handle, 29 + i, [0])

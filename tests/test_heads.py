@@ -78,7 +78,7 @@ class SharedCacheContext(DraftContext):
 def test_early_exit_drafts_inside_the_target_cache() -> None:
     model = tiny_model(5, layers=3)
     drafter = make_drafter(perturb(init_heads("early-exit", model, exit_layer=2), 5, 0.1), model)
-    state, _ = prefill(model, torch.tensor(prompt_for(5, 12)), hidden_states=False)
+    state, _ = prefill(model, torch.tensor(prompt_for(5, 12)))
     before = [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers]
     req = DraftRequest(4, 16, SamplingConfig())
     ctx = DraftContext(state.tokens, state.cache_len)
@@ -105,7 +105,7 @@ def test_eagle_tree_equals_uncached_recomputation(seed: int) -> None:
     heads = init_heads("eagle", model, top_k=3, draft_vocab_size=40)
     drafter = make_drafter(heads, model)
     prompt = prompt_for(seed, 11)
-    state, hs = prefill(model, torch.tensor(prompt), hidden_states=True)
+    state, hs = prefill(model, torch.tensor(prompt), layers=(-1,))
     ctx = DraftContext(state.tokens, state.cache_len, hs)
     tree, dstate = drafter.propose(drafter.start(ctx), ctx, DraftRequest(4, 14, SamplingConfig()))
     assert tree.max_depth >= 2 and tree.size == 14
@@ -139,7 +139,7 @@ def test_eagle_chains_for_many_sequences_equal_each_sequence_recomputed_alone(ar
     queued, depths = (3, 0, 1, 5), [4, 3, 0, 2]
     states, ctxs = [], []
     for prompt, k in zip(prompts, queued):  # started k tokens short, then told of the last k
-        state, hs = prefill(model, torch.tensor(prompt), hidden_states=True)
+        state, hs = prefill(model, torch.tensor(prompt), layers=(-1,))
         n = state.cache_len
         dstate = drafter.start(DraftContext(state.tokens[:len(prompt) - k], n - k, (hs[-1][:n - k],)))
         ctx = DraftContext(state.tokens, n, (hs[-1][n - k:],))
@@ -239,7 +239,7 @@ def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:
     model = tiny_model(1, layers=2)
     drafter = make_drafter(init_heads("eagle", model, top_k=3, draft_vocab_size=8), model)
     prompt = [20, 3, 30, 40, 30, 5]
-    state, hs = prefill(model, torch.tensor(prompt), hidden_states=True)
+    state, hs = prefill(model, torch.tensor(prompt), layers=(-1,))
     first = DraftContext(state.tokens, state.cache_len, hs)
     dstate = drafter.start(first)
     assert dstate.context_ids == []  # start only queues: rows are gathered when the head first feeds the prompt
@@ -250,7 +250,7 @@ def test_eagle_drafts_context_tokens_outside_its_draft_vocabulary() -> None:
         top, logp = drafter._top(dstate, 50 * lm_rows[token][None], 3)
         assert top[0][0] == token and len(set(top[0])) == 3
         assert torch.tensor(logp[0]).exp().sum() <= 1.0 + 1e-5
-    longer, more = prefill(model, torch.tensor(prompt + [50, 60]), hidden_states=True)  # two tokens committed
+    longer, more = prefill(model, torch.tensor(prompt + [50, 60]), layers=(-1,))  # two tokens committed
     ctx = DraftContext(longer.tokens, longer.cache_len, tuple(h[state.cache_len:] for h in more))
     drafter.propose(drafter.observe(dstate, ctx), ctx, DraftRequest(3, 8, SamplingConfig()))
     assert dstate.context_ids == [20, 30, 40, 50, 60]

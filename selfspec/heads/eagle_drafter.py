@@ -153,8 +153,8 @@ class EagleDrafter(Drafter):
         missing = [i for i in ids if i not in self.row_cache]
         if missing:
             weight, bias = lm_head_rows(self.target, torch.tensor(missing))
-            for j, i in enumerate(missing):
-                self.row_cache[i] = (weight[j], None if bias is None else bias[j])
+            for j, i in enumerate(missing):  # copies: a view would keep all of ``weight`` alive while one row is cached
+                self.row_cache[i] = (weight[j].clone(), None if bias is None else bias[j].clone())
         rows = [self.row_cache[i] for i in ids]
         for i in ids:
             self.row_cache.move_to_end(i)
