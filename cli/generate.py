@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
-    p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup",
-                   help="what drafts when no --heads are given (default: %(default)s)")
+    p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup", "suffix"], default="prompt-lookup",
+                   help="what drafts when no --heads are given (default: %(default)s; suffix: the request's own "
+                   "context and every answer finished before, with --prompts; with --heads: suffix drafts first)")
     add_model_options(p)
     add_decoding_options(p)
     add_sampling_options(p)
@@ -46,11 +47,19 @@ def build_drafter(args: argparse.Namespace, model, tokenizer):
         from selfspec.checkpoint import load_heads
 
         drafter = load_heads(model, args.heads, tokenizer=tokenizer)[1]
+        if args.drafter == "suffix":  # heads, with suffix drafts first where they match
+            from selfspec.drafters.suffix import SuffixDrafter
+
+            return LookupFirstDrafter(drafter, lookup=SuffixDrafter())
         return drafter if args.no_lookup else LookupFirstDrafter(drafter)
     if args.drafter == "none":
         return None
     if args.drafter == "prompt-lookup":
         return PromptLookupDrafter()
+    if args.drafter == "suffix":
+        from selfspec.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter()
     if not args.draft_model:
         raise SelfspecError("--drafter draft-model needs --draft-model NAME (e.g. qwen2.5-coder-0.5b-instruct)")
     draft, draft_tok = load_model(args.draft_model, dtype=args.dtype, device=args.device)

@@ -68,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "recorded, nor one that failed or whose client left")
     r.add_argument("--record-max-mib", type=positive_float, default=64, metavar="MIB",
                    help="start a new file in DIR once the current one holds this much (default: %(default)s)")
-    p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup"], default="prompt-lookup",
-                   help="what drafts when no --heads are given (default: %(default)s)")
+    p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup", "suffix"], default="prompt-lookup",
+                   help="what drafts when no --heads are given (default: %(default)s; suffix: the request's own "
+                   "context and every answer served before, except those sent with \"store\": false)")
     add_model_options(p)
     add_decoding_options(p, max_new_tokens=512)
     add_drafter_options(p)
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                           decode=decode_config(args), api_keys=keys, metrics_public=args.metrics_public,
                           max_body=int(args.max_body_mib * 2**20), request_timeout=args.request_timeout,
                           log_prompts=args.log_prompts, recorder=rec, heads=args.heads,
-                          load_heads=heads_loader(args, model, tokenizer) if args.heads else None)
+                          load_heads=heads_loader(args, model, tokenizer, drafter) if args.heads else None)
     cache = f"{args.prefix_cache:g} MiB prefix cache" if engine.prefix is not None else "no prefix cache"
     access = f"{len(keys)} API key{'s' if len(keys) > 1 else ''}" if keys else "no API key"
     print(f"selfspec serve: {config.model_name} in {dtype_name(model_dtype(model))} (batches of up to "
@@ -120,14 +121,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def heads_loader(args: argparse.Namespace, model, tokenizer):
+def heads_loader(args: argparse.Namespace, model, tokenizer, first):
     """A heads folder -> its drafter, built as --heads built the serving one (POST /v1/heads/reload)."""
     import copy
 
     def load(folder: str):
         again = copy.copy(args)
         again.heads = folder
-        return build_drafter(again, model, tokenizer)
+        drafter = build_drafter(again, model, tokenizer)
+        if args.drafter == "suffix":  # newer heads keep the suffix index of everything served so far
+            drafter.lookup.index = first.lookup.index
+        return drafter
 
     return load
 

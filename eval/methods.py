@@ -7,6 +7,8 @@
     prompt-lookup  selfspec with n-gram drafts from the context
     medusa / eagle / early-exit   selfspec with a heads checkpoint (one method per checkpoint)
     <head>+lookup  the same heads, with prompt lookup first where the context repeats itself
+    suffix         selfspec drafting from the context and every answer it gave to earlier questions
+    <head>+suffix  the same heads, with suffix drafts first where they match
     vllm           vLLM in its own environment and process (``vllm_client.py``)
     vllm-ngram     vLLM with its n-gram (prompt lookup) speculative decoding
     vllm+<heads>   vLLM drafting with a model's eagle3 heads exported to vLLM's EAGLE-3 layout, or eagle heads
@@ -28,6 +30,7 @@ from selfspec.drafters.base import Drafter
 from selfspec.drafters.draft_model import DraftModelDrafter, frequent_token_ids
 from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.drafters.suffix import SuffixDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine, sync_device
 from selfspec.errors import SelfspecError
 from selfspec.packed_linear import dense_linears
@@ -37,7 +40,8 @@ from .runs import Run
 if TYPE_CHECKING:
     from .vllm_client import VllmClient, WorkerConfig
 
-BASE_METHODS = ("hf", "hf-assisted", "plain", "draft-model", "prompt-lookup")
+BASE_METHODS = ("hf", "hf-assisted", "plain", "draft-model", "prompt-lookup", "suffix")
+SOURCES = ("lookup", "suffix")  # free sources a head method may draft from first: <head>+lookup, <head>+suffix
 # vLLM's speculative_config per method; ngram as in NOTES.md's measured setting
 VLLM_METHODS = {"vllm": None, "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 5,
                                              "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
@@ -143,19 +147,23 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
             out.append(Method(name, "selfspec", LookupFirstDrafter(drafter) if lookup else drafter))
         elif name == "prompt-lookup":
             out.append(Method(name, "selfspec", PromptLookupDrafter()))
+        elif name == "suffix":  # the index learns from every answer this method gave to earlier questions
+            out.append(Method(name, "selfspec", SuffixDrafter()))
         elif name in VLLM_METHODS:
             out.append(Method(name, "vllm", client=vllm_client(name, vllm)))
         elif name.startswith("vllm+") and name[5:] in heads:
             out.append(Method(name, "vllm", heads_dir=heads[name[5:]],
                               client=vllm_heads_client(name, heads[name[5:]], vllm, vllm_spec_tokens)))
-        elif name.removesuffix("+lookup") in heads:
-            folder = heads[name.removesuffix("+lookup")]
+        elif name.removesuffix("+lookup").removesuffix("+suffix") in heads:
+            folder = heads[name.removesuffix("+lookup").removesuffix("+suffix")]
             drafter = load_heads(target, folder, tokenizer=tokenizer)[1]
             if name.endswith("+lookup"):
                 drafter = LookupFirstDrafter(drafter)
+            elif name.endswith("+suffix"):
+                drafter = LookupFirstDrafter(drafter, lookup=SuffixDrafter())
             out.append(Method(name, "selfspec", drafter, heads_dir=folder))
         else:
-            known = ", ".join([*BASE_METHODS, *VLLM_METHODS, *heads, *(f"{h}+lookup" for h in heads),
+            known = ", ".join([*BASE_METHODS, *VLLM_METHODS, *heads, *(f"{h}+{s}" for h in heads for s in SOURCES),
                                *(f"vllm+{h}" for h in heads)]) or "-"
             raise SelfspecError(f"unknown or unavailable method '{name}' (available: {known}); "
                                 "head methods need the model's heads on --heads-path or --heads FOLDER")

@@ -51,6 +51,7 @@ class DecodeConfig:
     max_nodes: int = 16  # largest tree, root included
     adaptive: bool = True  # False: always draft max_depth
     seed: int | None = None
+    remember: bool = True  # a drafter that learns across requests (suffix) may keep this answer (not with "store": false)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -264,6 +265,8 @@ class Request:
         """The request ended (or was abandoned): its wall time; the drafter frees what it kept for it, and the request
         lets go of its last pass (a view into the whole batch's logits) and drafting context, so a caller that keeps
         finished requests keeps their tokens and stats, not megabytes of tensors each."""
+        if self.drafter is not None and self.finished and not self.cancelled and self.cfg.remember:
+            self.drafter.finished(self.dstate, torch.cat([self.ids, torch.tensor(self.generated, dtype=torch.long)]))
         if self.drafter is not None and self.dstate is not None:
             self.drafter.release(self.dstate)
             self.dstate = None

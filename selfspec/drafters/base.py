@@ -86,6 +86,10 @@ class Drafter:
     def release(self, state: Any) -> None:
         """The request that ``state`` belongs to ended: free what the drafter keeps for it (a batch cache's row)."""
 
+    def finished(self, state: Any, tokens: torch.Tensor) -> None:
+        """The request ended well with ``tokens`` committed (prompt included) and may be remembered: a drafter that
+        learns across requests keeps what it wants of it (called before ``release``)."""
+
     def draft(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
         """What the engine calls: ask how deep this source may go (``req.depth``), then ``propose`` that deep.
 

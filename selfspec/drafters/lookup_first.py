@@ -34,15 +34,18 @@ class LookupFirstDrafter(Drafter):
     otherwise with ``short`` (matches of fewer tokens) when the policy expects more of it than of
     ``inner``; otherwise with ``inner``."""
 
-    def __init__(self, inner: Drafter, min_ngram: int = 3, max_ngram: int = 4, min_depth: int = 2) -> None:
+    def __init__(self, inner: Drafter, min_ngram: int = 3, max_ngram: int = 4, min_depth: int = 2,
+                 lookup: Drafter | None = None) -> None:
+        """``lookup``: the free source tried first (default: prompt lookup; a ``SuffixDrafter`` also looks in every
+        answer finished before, and then names the pair ``<inner>+suffix``)."""
         self.inner = inner
-        self.lookup = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, candidates=1)
+        self.lookup = lookup or PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, candidates=1)
         self.short = None
         if min_ngram > 1:
             self.short = PromptLookupDrafter(max_ngram=min_ngram - 1, min_ngram=1, candidates=3)
             self.short.name = "prompt-lookup-short"
         self.min_depth = min_depth
-        self.name = f"{inner.name}+lookup"
+        self.name = f"{inner.name}+{'lookup' if lookup is None else self.lookup.name}"
         self.needs_hidden_states, self.state_layers = inner.needs_hidden_states, inner.state_layers
         self.drafts_batches = inner.drafts_batches
 
@@ -81,7 +84,12 @@ class LookupFirstDrafter(Drafter):
         """The wrapped drafter's."""
         self.inner.release(state)
 
-    def _matched(self, lookup: PromptLookupDrafter, ctx: DraftContext, req: DraftRequest) -> DraftTree | None:
+    def finished(self, state: Any, tokens) -> None:
+        """Both sources may keep what the request produced (the lookup source keeps no per-request state)."""
+        self.lookup.finished(None, tokens)
+        self.inner.finished(state, tokens)
+
+    def _matched(self, lookup: Drafter, ctx: DraftContext, req: DraftRequest) -> DraftTree | None:
         """``lookup``'s tree when it matches deeply enough and the policy lets it draft (asked only then)."""
         tree, _ = lookup.propose(None, ctx, req)
         if tree.max_depth < min(self.min_depth, req.max_depth):

@@ -380,6 +380,10 @@ def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         server.telemetry.queue(server.worker.waiting, server.worker.running)
+        drafter = server.engine.drafter
+        index = getattr(drafter, "index", None) or getattr(getattr(drafter, "lookup", None), "index", None)
+        if index is not None:
+            server.telemetry.suffix_index(index)
         return PlainTextResponse(server.telemetry.render(), media_type="text/plain; version=0.0.4")
 
     return app

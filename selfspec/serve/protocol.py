@@ -78,7 +78,7 @@ class Sampled(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: bool | int | None = None
     smooth: bool | None = None  # selfspec: pace the stream (None: the server's default)
-    store: bool | None = None  # OpenAI's: false keeps this request out of a recording server's files (--record)
+    store: bool | None = None  # OpenAI's: false keeps this request out of --record's files and the suffix drafter
 
     def check_supported(self) -> None:
         """400 for what parses but selfspec does not do."""
@@ -101,7 +101,7 @@ class Sampled(BaseModel):
         sampling = SamplingConfig(self.temperature, self.top_k, self.top_p)
         return DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=self.stop_strings(),
                             max_depth=defaults.max_depth, max_nodes=defaults.max_nodes, adaptive=defaults.adaptive,
-                            seed=self.seed)
+                            seed=self.seed, remember=self.store is not False)
 
 
 class ChatRequest(Sampled):

@@ -53,6 +53,8 @@ class Telemetry:
         self.heads = r.add(Gauge("selfspec_heads_info", "Heads folders: 1 for the one new requests draft with"))
         self.heads_tau = r.add(Gauge("selfspec_heads_mean_accepted_tokens",
                                      "tau of the finished requests each heads folder drafted (tokens / row passes)"))
+        self.suffix = r.add(Gauge("selfspec_suffix_index", "The suffix drafter's index (--drafter suffix): bytes held "
+                                  "(within its bound), sequences, lookups and lookups that found a match"))
         self._by_heads: dict[str, list[float]] = {}  # heads -> [tokens, row passes]
         self._heads_seen: set[str] = set()
 
@@ -93,6 +95,12 @@ class Telemetry:
     def queue(self, waiting: int, running: int) -> None:
         self.waiting.set(waiting)
         self.running.set(running)
+
+    def suffix_index(self, index) -> None:
+        """The suffix drafter's index as it stands (read between steps: plain integers, no lock needed)."""
+        for what, value in (("bytes", index.nbytes), ("max_bytes", index.max_bytes), ("sequences", len(index.seqs)),
+                            ("lookups", index.lookups), ("hits", index.hits)):
+            self.suffix.set(value, part=what)
 
     def render(self) -> str:
         return self.registry.render()

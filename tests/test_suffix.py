@@ -1,0 +1,114 @@
+"""Suffix speculation (``selfspec/drafters/suffix.py``): drafts from earlier answers, output unchanged.
+
+Greedy output equals transformers' greedy alone and batched; sampling keeps the target's distribution; an answer
+the engine finished drafts the next request that repeats it; a request that asks not to be remembered leaves no
+trace; the index stays within its bound however much is fed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import ALPHA, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy, prompt_for, tiny_model
+from selfspec.batching import BatchEngine
+from selfspec.drafters.suffix import BYTES_PER_TOKEN, KEY, SuffixDrafter, SuffixIndex
+from selfspec.engine import DecodeConfig, SpeculativeEngine
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 64
+
+
+def test_the_longest_match_comes_first_then_the_most_frequent_continuation() -> None:
+    index = SuffixIndex()
+    index.add([1, 1, 3, 4, 5, 6, 7])  # matches ...3 4 5 over 3 tokens
+    index.add([9, 2, 3, 4, 5, 8, 8])  # ... over 4 tokens (2 3 4 5)
+    index.add([0, 3, 4, 5, 6, 6])
+    index.add([7, 3, 4, 5, 6, 6])
+    got = index.continuations([2, 3, 4, 5], depth=2, limit=3)
+    assert got[0] == [8, 8]  # the longest match
+    assert got[1] == [6, 6] and got[2] == [6, 7]  # then the continuation seen twice, then the other
+    assert index.continuations([1, 1, 1], 2, 3) == [] and index.hits == 1 and index.lookups == 2
+
+
+def test_the_index_stays_within_its_bound_and_forgets_the_oldest_first() -> None:
+    index = SuffixIndex(max_bytes=300 * BYTES_PER_TOKEN)
+    g = torch.Generator().manual_seed(0)
+    first = torch.randint(0, 50, (100,), generator=g).tolist()
+    index.add(first)
+    for _ in range(20):  # 2,000 tokens fed into room for 300
+        index.add(torch.randint(0, 50, (100,), generator=g).tolist())
+        assert index.nbytes <= index.max_bytes
+    assert index.tokens == 300 and len(index.seqs) == 3
+    assert all(sid >= 18 for sid in index.seqs)  # the newest three
+    entries = sum(len(b) for b in index.table.values())
+    assert entries <= sum(len(s) - KEY + 1 for s in index.seqs.values())  # the evicted ones' entries went too
+
+
+def test_an_answer_the_engine_finished_drafts_the_next_request_that_repeats_it() -> None:
+    model = tiny_model(3, vocab=VOCAB)
+    drafter = SuffixDrafter()
+    engine = SpeculativeEngine(model, drafter)
+    prompt = prompt_for(7, 12, VOCAB)
+    cfg = DecodeConfig(max_new_tokens=40, adaptive=False, max_depth=8, max_nodes=16)
+    first = engine.generate(prompt, cfg)
+    assert first.tokens == hf_greedy(model, prompt, 40) and drafter.index.tokens > 0
+    again = engine.generate(prompt, cfg)
+    assert again.tokens == first.tokens
+    assert again.stats.mean_accepted > first.stats.mean_accepted + 1  # most of it drafted from the first answer
+
+
+def test_a_request_that_asks_not_to_be_remembered_leaves_no_trace() -> None:
+    model = tiny_model(3, vocab=VOCAB)
+    drafter = SuffixDrafter()
+    engine = SpeculativeEngine(model, drafter)
+    engine.generate(prompt_for(7, 12, VOCAB), DecodeConfig(max_new_tokens=20, remember=False))
+    assert drafter.index.tokens == 0 and not drafter.index.table
+    engine.generate(prompt_for(7, 12, VOCAB), DecodeConfig(max_new_tokens=20))
+    assert drafter.index.tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batched_rows_with_a_shared_index_equal_their_greedy_answers(arch: str) -> None:
+    model = tiny_model(5, vocab=VOCAB, arch=arch)
+    prompts = [prompt_for(i % 3, 10 + i % 3, VOCAB) for i in range(9)]  # three prompts, each asked three times
+    batch = BatchEngine(model, SuffixDrafter(), max_batch=3, context=128)
+    cfg = DecodeConfig(max_new_tokens=30, max_depth=6, max_nodes=16)
+    results = batch.generate_batch(prompts, cfg)
+    assert [r.tokens for r in results] == [hf_greedy(model, p, 30) for p in prompts]
+    assert batch.drafter.index.hits > 0
+
+
+def test_sampling_with_suffix_drafts_keeps_the_distribution() -> None:
+    model = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
+    drafter = SuffixDrafter()
+    engine = SpeculativeEngine(model, drafter)
+    pairs = draw(engine, max_depth=2)  # every sample's answer joins the index: later ones are drafted from it
+    assert drafter.index.hits > 100
+    assert chi_square_pvalue(pairs, exact_joint(model)) > ALPHA
+
+
+def test_a_server_remembers_what_it_answered_except_what_asked_not_to_be_stored() -> None:
+    pytest.importorskip("uvicorn")
+    from conftest import Live
+
+    server = Live("tiny", smooth=False, drafter=lambda model, tokenizer: SuffixDrafter())
+    index = server.engine.drafter.index
+    try:
+        ask = {"messages": [{"role": "user", "content": "Say something long"}], "model": "tiny", "max_tokens": 24,
+               "temperature": 0}
+        status, private = server.call("/v1/chat/completions", {**ask, "store": False})
+        assert status == 200 and index.tokens == 0  # not kept
+        status, kept = server.call("/v1/chat/completions", ask)
+        assert status == 200 and index.tokens > 0
+        status, again = server.call("/v1/chat/completions", ask)
+        assert status == 200 and index.hits > 0
+        text = [json.loads(raw)["choices"][0]["message"]["content"] for raw in (private, kept, again)]
+        assert text[0] == text[1] == text[2]  # drafted or not, the same answer
+        metrics = server.call("/metrics")[1]
+        assert f'selfspec_suffix_index{{part="bytes"}} {float(index.nbytes)}' in metrics
+        assert 'selfspec_suffix_index{part="sequences"} 2.0' in metrics  # kept and again, not private
+    finally:
+        server.close()
