@@ -13,7 +13,7 @@ import torch
 
 from conftest import ALPHA, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy, prompt_for, tiny_model
 from selfspec.batching import BatchEngine
-from selfspec.drafters.suffix import BYTES_PER_TOKEN, KEY, SuffixDrafter, SuffixIndex
+from selfspec.drafters.suffix import KEY, SuffixDrafter, SuffixIndex
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,17 +34,35 @@ def test_the_longest_match_comes_first_then_the_most_frequent_continuation() -> 
 
 
 def test_the_index_stays_within_its_bound_and_forgets_the_oldest_first() -> None:
-    index = SuffixIndex(max_bytes=300 * BYTES_PER_TOKEN)
     g = torch.Generator().manual_seed(0)
-    first = torch.randint(0, 50, (100,), generator=g).tolist()
-    index.add(first)
-    for _ in range(20):  # 2,000 tokens fed into room for 300
-        index.add(torch.randint(0, 50, (100,), generator=g).tolist())
+    seqs = [torch.randint(0, 50, (100,), generator=g).tolist() for _ in range(21)]
+    whole = SuffixIndex(max_bytes=2**30)
+    for seq in seqs[-3:]:
+        whole.add(seq)
+    index = SuffixIndex(max_bytes=whole.nbytes)  # room for three
+    for seq in seqs:  # 2,100 tokens fed into room for 300
+        index.add(seq)
         assert index.nbytes <= index.max_bytes
-    assert index.tokens == 300 and len(index.seqs) == 3
-    assert all(sid >= 18 for sid in index.seqs)  # the newest three
-    entries = sum(len(b) for b in index.table.values())
-    assert entries <= sum(len(s) - KEY + 1 for s in index.seqs.values())  # the evicted ones' entries went too
+    assert index.tokens == 300 and sorted(index.seqs) == [18, 19, 20]  # the newest three
+    assert index.entries == whole.entries and len(index.table) == len(whole.table)  # the others' entries went too
+    assert index.continuations(seqs[0][:40], 4, 4) == whole.continuations(seqs[0][:40], 4, 4)
+
+
+def test_the_accounting_holds_what_python_allocates() -> None:
+    """The bound is on the index's own accounting; it must not undercount what its objects take (tracemalloc), for
+    text whose keys repeat little (random tokens: a key per position, the worst case) or much."""
+    import tracemalloc
+
+    g = torch.Generator().manual_seed(1)
+    for vocab in (50_000, 200):
+        seqs = [torch.randint(0, vocab, (200,), generator=g).tolist() for _ in range(300)]
+        tracemalloc.start()
+        index = SuffixIndex(max_bytes=2**30)
+        for seq in seqs:
+            index.add(seq)
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert held <= index.nbytes, (vocab, held, index.nbytes)
 
 
 def test_an_answer_the_engine_finished_drafts_the_next_request_that_repeats_it() -> None:

@@ -6,7 +6,8 @@ outputs their keys): the text a server already produced is the cheapest good dra
 
     SuffixIndex     earlier answers as compact token arrays, and for every position an entry under a hash of the
                     ``KEY`` tokens that end there (at most ``PER_KEY`` entries per key, the newest kept); bounded
-                    by ``max_bytes`` (the oldest answers go first); shared by every request of an engine
+                    by ``max_bytes`` of its own accounting, checked against tracemalloc (the oldest answers go
+                    first); shared by every request of an engine
     SuffixDrafter   per step: the indexed positions whose ``KEY`` tokens equal the context's last ``KEY``, each
                     extended backwards to its match length (up to ``MAX_MATCH``); the continuations of the longest
                     matches, the most frequent first, and the request's own context's (prompt lookup) before them,
@@ -20,7 +21,7 @@ Drafts are deterministic proposals (as prompt lookup's), so verification stays l
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -32,7 +33,9 @@ from .prompt_lookup import find_continuations
 KEY = 3  # tokens hashed per index entry: the shortest match the index finds
 MAX_MATCH = 32  # a match is extended backwards at most this far (longer ones rank the same)
 PER_KEY = 32  # index entries kept per key, the newest (common keys: "the", indentation)
-BYTES_PER_TOKEN = 56  # what one indexed token costs: 4 in its array, ~52 for its entry (int + deque slot + share of key)
+# what the index's Python objects cost (tracemalloc, CPython 3.12): a token 4 bytes in its array, an entry (one int
+# in a key's list) ~40, a key (its hash, dict slot and list) ~170
+TOKEN_BYTES, ENTRY_BYTES, KEY_BYTES = 4, 40, 170
 
 
 class SuffixIndex:
@@ -41,30 +44,31 @@ class SuffixIndex:
     def __init__(self, max_bytes: int = 64 * 2**20) -> None:
         self.max_bytes = max_bytes
         self.seqs: OrderedDict[int, array] = OrderedDict()
-        self.table: dict[int, deque] = {}
-        self.tokens = 0
+        self.table: dict[int, list[int]] = {}  # key hash -> entries (sequence id << 32 | end), oldest first
+        self.tokens = self.entries = 0
         self.added = 0  # sequences ever added (ids)
         self.lookups = self.hits = 0
 
     @property
     def nbytes(self) -> int:
-        """What the index holds, by its accounting (``BYTES_PER_TOKEN`` per token)."""
-        return self.tokens * BYTES_PER_TOKEN
+        """What the index holds, by its accounting (tokens, entries and keys at their measured costs)."""
+        return TOKEN_BYTES * self.tokens + ENTRY_BYTES * self.entries + KEY_BYTES * len(self.table)
 
     def add(self, tokens: list[int]) -> None:
-        """Index ``tokens`` (an answer, with its lead-in); the oldest sequences go while over ``max_bytes``."""
-        if len(tokens) <= KEY or len(tokens) * BYTES_PER_TOKEN > self.max_bytes:
+        """Index ``tokens`` (a request's prompt and answer); the oldest sequences go while over ``max_bytes``."""
+        if len(tokens) <= KEY or len(tokens) * (TOKEN_BYTES + ENTRY_BYTES + KEY_BYTES) > self.max_bytes:
             return
         sid, seq = self.added, array("i", tokens)
         self.added += 1
         self.seqs[sid] = seq
         self.tokens += len(seq)
         for end in range(KEY, len(seq) + 1):
-            key = hash(tuple(seq[end - KEY:end]))
-            bucket = self.table.get(key)
-            if bucket is None:
-                bucket = self.table[key] = deque(maxlen=PER_KEY)
-            bucket.append((sid, end))
+            bucket = self.table.setdefault(hash(tuple(seq[end - KEY:end])), [])
+            bucket.append(sid << 32 | end)
+            if len(bucket) > PER_KEY:
+                del bucket[0]
+            else:
+                self.entries += 1
         while self.nbytes > self.max_bytes:
             self._evict()
 
@@ -77,11 +81,12 @@ class SuffixIndex:
             bucket = self.table.get(key)
             if bucket is None:
                 continue
-            kept = [e for e in bucket if e[0] != sid]
+            kept = [e for e in bucket if e >> 32 != sid]
+            self.entries -= len(bucket) - len(kept)
             if not kept:
                 del self.table[key]
-            elif len(kept) != len(bucket):
-                self.table[key] = deque(kept, maxlen=PER_KEY)
+            else:
+                self.table[key] = kept
 
     def continuations(self, context: list[int], depth: int, limit: int) -> list[list[int]]:
         """Up to ``limit`` distinct continuations of ``depth`` tokens (fewer where a sequence ends) of the earlier
@@ -92,7 +97,8 @@ class SuffixIndex:
             return []
         tail = context[-KEY:]
         found: dict[tuple[int, ...], list[int]] = {}  # continuation -> [best match length, count, newest]
-        for order, (sid, end) in enumerate(reversed(self.table.get(hash(tuple(tail)), ()))):
+        for order, entry in enumerate(reversed(self.table.get(hash(tuple(tail)), ()))):
+            sid, end = entry >> 32, entry & 0xFFFFFFFF
             seq = self.seqs.get(sid)
             if seq is None or end >= len(seq) or list(seq[end - KEY:end]) != tail:
                 continue  # evicted, nothing follows, or a hash collision
