@@ -48,18 +48,18 @@ def build_drafter(args: argparse.Namespace, model, tokenizer):
 
         drafter = load_heads(model, args.heads, tokenizer=tokenizer)[1]
         if args.drafter == "suffix":  # heads, with suffix drafts first where they match
-            from selfspec.drafters.suffix import SuffixDrafter
+            from selfspec.drafters.suffix import SuffixDrafter, SuffixIndex
 
-            return LookupFirstDrafter(drafter, lookup=SuffixDrafter())
+            return LookupFirstDrafter(drafter, lookup=SuffixDrafter(SuffixIndex(int(args.suffix_max_mib * 2**20))))
         return drafter if args.no_lookup else LookupFirstDrafter(drafter)
     if args.drafter == "none":
         return None
     if args.drafter == "prompt-lookup":
         return PromptLookupDrafter()
     if args.drafter == "suffix":
-        from selfspec.drafters.suffix import SuffixDrafter
+        from selfspec.drafters.suffix import SuffixDrafter, SuffixIndex
 
-        return SuffixDrafter()
+        return SuffixDrafter(SuffixIndex(int(args.suffix_max_mib * 2**20)))
     if not args.draft_model:
         raise SelfspecError("--drafter draft-model needs --draft-model NAME (e.g. qwen2.5-coder-0.5b-instruct)")
     draft, draft_tok = load_model(args.draft_model, dtype=args.dtype, device=args.device)

@@ -206,6 +206,9 @@ def add_drafter_options(p: argparse.ArgumentParser, several_heads: bool = False)
     g.add_argument("--no-lookup", action="store_true",
                    help="draft with the heads or draft model alone (default: prompt lookup first where the context "
                         "repeats itself, the heads or draft model elsewhere, each judged on its own acceptance)")
+    g.add_argument("--suffix-max-mib", type=positive_float, default=64, metavar="MIB",
+                   help="--drafter suffix: the most its index of earlier requests holds, the oldest forgotten first "
+                        "(default: %(default)s; ~210 bytes a token: 64 MiB hold ~300k tokens)")
 
 
 def add_heads_path_option(p: argparse.ArgumentParser) -> None:
