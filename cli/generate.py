@@ -36,8 +36,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_drafter_options(p)
 
 
-def build_drafter(args: argparse.Namespace, model, tokenizer):
-    """The drafter named by ``--drafter`` / ``--heads`` (None for plain decoding)."""
+def suffix_drafter(args: argparse.Namespace, scopes: int = 0):
+    """``--drafter suffix``'s drafter within ``--suffix-max-mib``: one index, or ``scopes`` indexes sharing it."""
+    from selfspec.drafters.suffix import SuffixDrafter, SuffixIndex
+
+    total = int(args.suffix_max_mib * 2**20)
+    if scopes:
+        return SuffixDrafter(SuffixIndex(0), scoped_bytes=total // scopes)
+    return SuffixDrafter(SuffixIndex(total))
+
+
+def build_drafter(args: argparse.Namespace, model, tokenizer, suffix_scopes: int = 0):
+    """The drafter named by ``--drafter`` / ``--heads`` (None for plain decoding); ``suffix_scopes``: with
+    ``--drafter suffix``, that many scopes (the server's API keys) each keep their own index."""
     from selfspec.drafters.draft_model import DraftModelDrafter
     from selfspec.drafters.lookup_first import LookupFirstDrafter
     from selfspec.drafters.prompt_lookup import PromptLookupDrafter
@@ -48,18 +59,14 @@ def build_drafter(args: argparse.Namespace, model, tokenizer):
 
         drafter = load_heads(model, args.heads, tokenizer=tokenizer)[1]
         if args.drafter == "suffix":  # heads, with suffix drafts first where they match
-            from selfspec.drafters.suffix import SuffixDrafter, SuffixIndex
-
-            return LookupFirstDrafter(drafter, lookup=SuffixDrafter(SuffixIndex(int(args.suffix_max_mib * 2**20))))
+            return LookupFirstDrafter(drafter, lookup=suffix_drafter(args, suffix_scopes))
         return drafter if args.no_lookup else LookupFirstDrafter(drafter)
     if args.drafter == "none":
         return None
     if args.drafter == "prompt-lookup":
         return PromptLookupDrafter()
     if args.drafter == "suffix":
-        from selfspec.drafters.suffix import SuffixDrafter, SuffixIndex
-
-        return SuffixDrafter(SuffixIndex(int(args.suffix_max_mib * 2**20)))
+        return suffix_drafter(args, suffix_scopes)
     if not args.draft_model:
         raise SelfspecError("--drafter draft-model needs --draft-model NAME (e.g. qwen2.5-coder-0.5b-instruct)")
     draft, draft_tok = load_model(args.draft_model, dtype=args.dtype, device=args.device)

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=["none", "draft-model", "prompt-lookup", "suffix"], default="prompt-lookup",
                    help="what drafts when no --heads are given (default: %(default)s; suffix: the request's own "
                    "context and every answer served before, except those sent with \"store\": false)")
+    p.add_argument("--suffix-scope", choices=["global", "key"], default="global",
+                   help="--drafter suffix: whose earlier answers a request's drafts come from: every request's "
+                        "(global, the default) or its own API key's only (key: one client's answers never shape "
+                        "another's drafts or timing; --suffix-max-mib is split evenly between the keys)")
     add_model_options(p)
     add_decoding_options(p, max_new_tokens=512)
     add_drafter_options(p)
@@ -97,8 +101,11 @@ def run(args: argparse.Namespace) -> int:
     if args.target_pass in ("eager", "compiled"):
         raise SelfspecError(f"selfspec serve batches requests over the static pass; --target-pass {args.target_pass} "
                             "is for single requests (selfspec generate, bench)")
+    if args.suffix_scope == "key" and (args.drafter != "suffix" or not keys):
+        raise SelfspecError("--suffix-scope key keeps a suffix index per API key: it needs --drafter suffix and "
+                            f"--api-key (or ${KEY_ENV})")
     model, tokenizer = load_target(args)
-    drafter = build_drafter(args, model, tokenizer)
+    drafter = build_drafter(args, model, tokenizer, suffix_scopes=len(keys) if args.suffix_scope == "key" else 0)
     engine = BatchEngine(model, drafter, tokenizer, max_batch=max_batch(args, model), context=args.max_context,
                          exact=args.exact, memory_bytes=free_memory(model.device),
                          prefix_cache=int(args.prefix_cache * 2**20))
@@ -109,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                           smooth=not args.no_smoothing, default_max_tokens=args.max_new_tokens,
                           decode=decode_config(args), api_keys=keys, metrics_public=args.metrics_public,
                           max_body=int(args.max_body_mib * 2**20), request_timeout=args.request_timeout,
-                          log_prompts=args.log_prompts, recorder=rec, heads=args.heads,
+                          log_prompts=args.log_prompts, recorder=rec, heads=args.heads, suffix_scope=args.suffix_scope,
                           load_heads=heads_loader(args, model, tokenizer, drafter) if args.heads else None)
     cache = f"{args.prefix_cache:g} MiB prefix cache" if engine.prefix is not None else "no prefix cache"
     access = f"{len(keys)} API key{'s' if len(keys) > 1 else ''}" if keys else "no API key"
@@ -129,8 +136,8 @@ def heads_loader(args: argparse.Namespace, model, tokenizer, first):
         again = copy.copy(args)
         again.heads = folder
         drafter = build_drafter(again, model, tokenizer)
-        if args.drafter == "suffix":  # newer heads keep the suffix index of everything served so far
-            drafter.lookup.index = first.lookup.index
+        if args.drafter == "suffix":  # newer heads keep the suffix indexes of everything served so far
+            drafter.lookup = first.lookup
         return drafter
 
     return load

@@ -52,6 +52,7 @@ class DecodeConfig:
     adaptive: bool = True  # False: always draft max_depth
     seed: int | None = None
     remember: bool = True  # a drafter that learns across requests (suffix) may keep this answer (not with "store": false)
+    scope: str | None = None  # ... and keeps it for, and drafts from, requests of this scope only (an API key's)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -200,7 +201,7 @@ class Request:
     def prefilled(self, state: DecodeState, hidden: tuple | None, target) -> None:
         """The target cached the prompt (``state``, the drafter's layers' states ``hidden``): the drafter starts."""
         self.state = state
-        self.ctx = DraftContext(state.tokens, state.cache_len, hidden, target.draft_view(state.cache))
+        self.ctx = DraftContext(state.tokens, state.cache_len, hidden, target.draft_view(state.cache), self.cfg.scope)
         self.dstate = self.drafter.start(self.ctx) if self.drafter is not None else None
         sync_device(self.device)
         self.stats.prefill_s = time.perf_counter() - self.joined
@@ -255,7 +256,7 @@ class Request:
             rows = torch.tensor([0, *path], device=ver.logits.device)
             hidden = tuple(h.index_select(0, rows) for h in ver.hidden_states)
         state = self.state
-        self.ctx = DraftContext(state.tokens, state.cache_len, hidden, target.draft_view(state.cache))
+        self.ctx = DraftContext(state.tokens, state.cache_len, hidden, target.draft_view(state.cache), self.cfg.scope)
         if target.length(state.cache) != state.cache_len:  # compaction bug guard: cheap, never expected
             raise RuntimeError(f"target cache holds {target.length(state.cache)} positions, expected {state.cache_len}")
         self.dstate = self.drafter.observe(self.dstate, self.ctx) if self.drafter is not None else None
@@ -266,7 +267,8 @@ class Request:
         lets go of its last pass (a view into the whole batch's logits) and drafting context, so a caller that keeps
         finished requests keeps their tokens and stats, not megabytes of tensors each."""
         if self.drafter is not None and self.finished and not self.cancelled and self.cfg.remember:
-            self.drafter.finished(self.dstate, torch.cat([self.ids, torch.tensor(self.generated, dtype=torch.long)]))
+            answered = torch.cat([self.ids, torch.tensor(self.generated, dtype=torch.long)])
+            self.drafter.finished(self.dstate, answered, self.cfg.scope)
         if self.drafter is not None and self.dstate is not None:
             self.drafter.release(self.dstate)
             self.dstate = None

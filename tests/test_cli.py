@@ -204,3 +204,12 @@ def test_serve_load_fresh_prompts_are_never_sent_twice():
     n = prompts_needed(3, 16, "off", fresh=False)
     warm, cells = split_prompts(list(range(n)), 3, fresh=False)
     assert n == 9 and cells == [list(range(8))] * 3 and warm == 8  # every cell the same 8, each sent twice
+
+
+@pytest.mark.parametrize("argv", [["--drafter", "suffix"], ["--api-key", "k"]])
+def test_suffix_scope_key_without_keys_or_a_suffix_drafter_is_refused_before_any_model(argv, workdir: Path, capsys,
+                                                                                    monkeypatch) -> None:
+    pytest.importorskip("uvicorn")
+    monkeypatch.delenv("SELFSPEC_API_KEY", raising=False)
+    line = refused(["serve", "--suffix-scope", "key", *argv], capsys)
+    assert line.startswith("selfspec serve: error: --suffix-scope key keeps a suffix index per API key")

@@ -4,6 +4,7 @@ request without prompt text, a per-request deadline that frees the row, and 413 
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import logging
@@ -104,7 +105,8 @@ def test_one_access_log_line_per_request_without_prompt_text(keyed, caplog) -> N
         assert fields["id"].startswith("cmpl-") and fields["outcome"] == "ok"
         assert int(fields["prompt_tokens"]) == len(secret) and int(fields["completion_tokens"]) > 0
         assert float(fields["ttft_ms"]) <= float(fields["duration_ms"])
-    assert "outcome=unauthorized" in refused and "outcome=invalid" in invalid
+        assert fields["key"] == hashlib.sha256(KEYS[0].encode()).hexdigest()[:12] and KEYS[0] not in line
+    assert "outcome=unauthorized" in refused and "outcome=invalid" in invalid and "key=" not in refused
 
 
 def test_log_prompts_puts_the_prompt_in_the_line(caplog) -> None:

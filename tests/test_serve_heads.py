@@ -105,3 +105,21 @@ def test_a_server_without_heads_has_none_to_reload() -> None:
         assert status == 400 and "without --heads" in json.loads(raw)["error"]["message"]
     finally:
         server.close()
+
+
+def test_newer_heads_keep_the_suffix_drafters_indexes(tmp_path) -> None:
+    """serve --heads --drafter suffix: a reload's drafter drafts from everything served before, every scope's."""
+    import argparse
+
+    from conftest import make_tokenizer
+    from selfspec_cli.generate import build_drafter
+    from selfspec_cli.serve import heads_loader
+
+    model, tokenizer = tiny_model(3, vocab=len(make_tokenizer()), hidden=32), make_tokenizer()
+    a = heads_folder(model, tokenizer, tmp_path / "heads-a", 1)
+    b = heads_folder(model, tokenizer, tmp_path / "heads-b", 2)
+    args = argparse.Namespace(heads=str(a), drafter="suffix", suffix_max_mib=1.0, no_lookup=False)
+    first = build_drafter(args, model, tokenizer, suffix_scopes=2)
+    assert first.name == "eagle+suffix" and first.lookup.scoped_bytes == 2**19  # 1 MiB, two keys
+    newer = heads_loader(args, model, tokenizer, first)(str(b))
+    assert newer.lookup is first.lookup and newer.name == "eagle+suffix" and newer.inner is not first.inner

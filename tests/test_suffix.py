@@ -13,7 +13,7 @@ import torch
 
 from conftest import ALPHA, SAMPLING_VOCAB, chi_square_pvalue, draw, exact_joint, hf_greedy, prompt_for, tiny_model
 from selfspec.batching import BatchEngine
-from selfspec.drafters.suffix import KEY, SuffixDrafter, SuffixIndex
+from selfspec.drafters.suffix import SuffixDrafter, SuffixIndex, frequency_tree, own_matches
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,16 +21,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
 
 
-def test_the_longest_match_comes_first_then_the_most_frequent_continuation() -> None:
+def test_matches_are_measured_back_to_where_the_contexts_differ() -> None:
     index = SuffixIndex()
     index.add([1, 1, 3, 4, 5, 6, 7])  # matches ...3 4 5 over 3 tokens
     index.add([9, 2, 3, 4, 5, 8, 8])  # ... over 4 tokens (2 3 4 5)
-    index.add([0, 3, 4, 5, 6, 6])
-    index.add([7, 3, 4, 5, 6, 6])
-    got = index.continuations([2, 3, 4, 5], depth=2, limit=3)
-    assert got[0] == [8, 8]  # the longest match
-    assert got[1] == [6, 6] and got[2] == [6, 7]  # then the continuation seen twice, then the other
-    assert index.continuations([1, 1, 1], 2, 3) == [] and index.hits == 1 and index.lookups == 2
+    index.add([7, 3, 4, 5])  # nothing follows: no match
+    assert index.matches([2, 3, 4, 5], depth=2) == [(4, [8, 8]), (3, [6, 7])]  # the newest first
+    assert index.matches([1, 1, 1], 2) == [] and index.hits == 1 and index.lookups == 2
+    assert own_matches([5, 6, 7, 5, 6, 9, 5, 6], depth=3) == [(2, [9, 5, 6]), (2, [7, 5, 6])]
+
+
+def test_the_tree_holds_the_likeliest_continuations_first() -> None:
+    # weights m^2: [8 8] 16; [6 6] 9 twice; [6 7] 9. Path probabilities: 6 27/43, 6 6 18/43, 8 16/43, 8 8 16/43, 6 7 9/43
+    found = [(4, [8, 8]), (3, [6, 6]), (3, [6, 6]), (3, [6, 7])]
+    tree = frequency_tree(0, found, max_nodes=4, max_depth=2)
+    assert tree.tokens.tolist() == [0, 6, 6, 8] and tree.parents == [-1, 0, 1, 0]
+    assert frequency_tree(0, found, max_nodes=5, max_depth=2).tokens.tolist() == [0, 6, 6, 8, 8]  # 8 first: tie
+    whole = frequency_tree(0, found, max_nodes=16, max_depth=2)
+    assert sorted(zip(whole.depth, whole.tokens.tolist())) == [(0, 0), (1, 6), (1, 8), (2, 6), (2, 7), (2, 8)]
+    assert frequency_tree(0, found, max_nodes=16, max_depth=1).tokens.tolist() == [0, 6, 8]
+    assert frequency_tree(0, [], max_nodes=16, max_depth=4).tokens.tolist() == [0]
 
 
 def test_the_index_stays_within_its_bound_and_forgets_the_oldest_first() -> None:
@@ -45,7 +55,7 @@ def test_the_index_stays_within_its_bound_and_forgets_the_oldest_first() -> None
         assert index.nbytes <= index.max_bytes
     assert index.tokens == 300 and sorted(index.seqs) == [18, 19, 20]  # the newest three
     assert index.entries == whole.entries and len(index.table) == len(whole.table)  # the others' entries went too
-    assert index.continuations(seqs[0][:40], 4, 4) == whole.continuations(seqs[0][:40], 4, 4)
+    assert index.matches(seqs[0][:40], 4) == whole.matches(seqs[0][:40], 4)
 
 
 def test_the_accounting_holds_what_python_allocates() -> None:
@@ -128,5 +138,52 @@ def test_a_server_remembers_what_it_answered_except_what_asked_not_to_be_stored(
         metrics = server.call("/metrics")[1]
         assert f'selfspec_suffix_index{{part="bytes"}} {float(index.nbytes)}' in metrics
         assert 'selfspec_suffix_index{part="sequences"} 2.0' in metrics  # kept and again, not private
+    finally:
+        server.close()
+
+
+def test_scoped_indexes_keep_each_scopes_answers_to_itself() -> None:
+    model = tiny_model(3, vocab=VOCAB)
+    drafter = SuffixDrafter(SuffixIndex(0), scoped_bytes=2**20)
+    engine = SpeculativeEngine(model, drafter)
+    prompt = prompt_for(7, 12, VOCAB)
+    cfg = DecodeConfig(max_new_tokens=40, adaptive=False, max_depth=8, max_nodes=16)
+    first = engine.generate(prompt, DecodeConfig(**{**cfg.__dict__, "scope": "a"}))
+    other = engine.generate(prompt, DecodeConfig(**{**cfg.__dict__, "scope": "b"}))
+    again = engine.generate(prompt, DecodeConfig(**{**cfg.__dict__, "scope": "a"}))
+    assert first.tokens == other.tokens == again.tokens == hf_greedy(model, prompt, 40)
+    a, b = drafter.scoped["a"], drafter.scoped["b"]
+    assert a.hits > 0 and b.hits == 0  # b never drew on a's answer; a's second request did
+    assert len(a.seqs) == 2 and len(b.seqs) == 1 and drafter.index.tokens == 0  # none shared
+    assert other.stats.mean_accepted == pytest.approx(first.stats.mean_accepted)  # b drafted as a did the first time
+    assert again.stats.mean_accepted > first.stats.mean_accepted + 1
+
+
+def test_a_server_with_suffix_scope_key_keeps_each_api_keys_answers_apart() -> None:
+    pytest.importorskip("uvicorn")
+    from conftest import Live
+
+    server = Live("tiny", smooth=False, drafter=lambda model, tokenizer: SuffixDrafter(SuffixIndex(0),
+                                                                                         scoped_bytes=2**20),
+                  api_keys=("alpha", "beta"), suffix_scope="key")
+    drafter = server.engine.drafter
+    ask = {"messages": [{"role": "user", "content": "Say something long"}], "model": "tiny", "max_tokens": 24,
+           "temperature": 0}
+
+    def as_key(key: str) -> dict:
+        return {"Authorization": f"Bearer {key}"}
+
+    try:
+        texts = []
+        for key in ("alpha", "beta", "alpha"):
+            status, raw = server.call("/v1/chat/completions", ask, as_key(key))
+            assert status == 200
+            texts.append(json.loads(raw)["choices"][0]["message"]["content"])
+        assert texts[0] == texts[1] == texts[2]
+        assert sorted(len(i.seqs) for i in drafter.scoped.values()) == [1, 2]  # alpha's two answers, beta's one
+        hits = sorted(i.hits for i in drafter.scoped.values())
+        assert hits[0] == 0 and hits[1] > 0  # beta's request found nothing of alpha's; alpha's second found its first
+        metrics = server.call("/metrics", headers=as_key("beta"))[1]
+        assert 'selfspec_suffix_index{part="scopes"} 3.0' in metrics  # the unused shared one and two keys'
     finally:
         server.close()

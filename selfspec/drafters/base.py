@@ -35,6 +35,7 @@ class DraftContext:
     cache_len: int
     hidden_states: tuple[torch.Tensor, ...] | None = None
     target_cache: object | None = None  # the target's KV cache (read-only between steps; early exit drafts in it)
+    scope: str | None = None  # whose earlier requests a drafter that learns across them may draw on (DecodeConfig)
 
 
 @dataclass
@@ -86,9 +87,10 @@ class Drafter:
     def release(self, state: Any) -> None:
         """The request that ``state`` belongs to ended: free what the drafter keeps for it (a batch cache's row)."""
 
-    def finished(self, state: Any, tokens: torch.Tensor) -> None:
+    def finished(self, state: Any, tokens: torch.Tensor, scope: str | None = None) -> None:
         """The request ended well with ``tokens`` committed (prompt included) and may be remembered: a drafter that
-        learns across requests keeps what it wants of it (called before ``release``)."""
+        learns across requests keeps what it wants of it, for requests of the same ``scope`` (called before
+        ``release``)."""
 
     def draft(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
         """What the engine calls: ask how deep this source may go (``req.depth``), then ``propose`` that deep.

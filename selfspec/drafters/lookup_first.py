@@ -84,10 +84,10 @@ class LookupFirstDrafter(Drafter):
         """The wrapped drafter's."""
         self.inner.release(state)
 
-    def finished(self, state: Any, tokens) -> None:
+    def finished(self, state: Any, tokens, scope: str | None = None) -> None:
         """Both sources may keep what the request produced (the lookup source keeps no per-request state)."""
-        self.lookup.finished(None, tokens)
-        self.inner.finished(state, tokens)
+        self.lookup.finished(None, tokens, scope)
+        self.inner.finished(state, tokens, scope)
 
     def _matched(self, lookup: Drafter, ctx: DraftContext, req: DraftRequest) -> DraftTree | None:
         """``lookup``'s tree when it matches deeply enough and the policy lets it draft (asked only then)."""

@@ -47,6 +47,16 @@ def find_continuations(tokens: torch.Tensor, ngram: int, depth: int, limit: int)
     return found
 
 
+def longest_match(tokens: torch.Tensor, max_ngram: int, min_ngram: int, depth: int, limit: int) -> list[list[int]]:
+    """The continuations (``find_continuations``) of the longest n-gram, ``max_ngram`` down to ``min_ngram`` tokens,
+    that occurred before; none when not even ``min_ngram`` tokens did."""
+    for ngram in range(max_ngram, min_ngram - 1, -1):
+        conts = find_continuations(tokens, ngram, depth, limit)
+        if conts:
+            return conts
+    return []
+
+
 class PromptLookupDrafter(Drafter):
     """N-gram matching against the context (longest n-gram first)."""
 
@@ -59,9 +69,6 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
         """Trie of the continuations of the longest n-gram that has earlier matches."""
-        root = int(ctx.tokens[-1])
-        for ngram in range(self.max_ngram, self.min_ngram - 1, -1):
-            conts = find_continuations(ctx.tokens, ngram, req.max_depth, self.candidates)
-            if conts:  # the most recent continuation first: it is the one kept whole when the tree is full
-                return from_paths(root, conts, req.max_nodes), state
-        return from_paths(root, []), state
+        # the most recent continuation first: it is the one kept whole when the tree is full
+        conts = longest_match(ctx.tokens, self.max_ngram, self.min_ngram, req.max_depth, self.candidates)
+        return from_paths(int(ctx.tokens[-1]), conts, req.max_nodes), state

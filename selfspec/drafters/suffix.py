@@ -8,12 +8,18 @@ outputs their keys): the text a server already produced is the cheapest good dra
                     ``KEY`` tokens that end there (at most ``PER_KEY`` entries per key, the newest kept); bounded
                     by ``max_bytes`` of its own accounting, checked against tracemalloc (the oldest answers go
                     first); shared by every request of an engine
-    SuffixDrafter   per step: the indexed positions whose ``KEY`` tokens equal the context's last ``KEY``, each
-                    extended backwards to its match length (up to ``MAX_MATCH``); the continuations of the longest
-                    matches, the most frequent first, and the request's own context's (prompt lookup) before them,
-                    as one trie; a request that ended well joins the index, prompt and answer (``finished``;
+    SuffixDrafter   per step, every earlier occurrence of the context's end, each extended backwards to its match
+                    length m (up to ``MAX_MATCH``): in the request's own context (of its last token, ``own_matches``)
+                    and in the index (of its last ``KEY``); the ``CANDIDATES`` longest matches' continuations, each
+                    weighted m^2, make a trie of counts, and the tree drafted is its likeliest nodes by estimated
+                    path probability (``frequency_tree``, SuffixDecoding's rule): where earlier text agrees the tree
+                    goes deep, where it forks the tree branches; a request that ended well joins the index, prompt
+                    and answer (``finished``;
                     repeated prompts are what templated traffic shares), unless it asked not to be kept
-                    (``DecodeConfig.remember`` false: ``"store": false``)
+                    (``DecodeConfig.remember`` false: ``"store": false``); with ``scoped_bytes``, each scope
+                    (``DecodeConfig.scope``: the server's ``--suffix-scope key`` makes it the API key's) reads and
+                    joins an index of its own, so one client's answers never shape another's drafts, nor, by
+                    evicting, their timing
 
 Drafts are deterministic proposals (as prompt lookup's), so verification stays lossless, greedy and sampled.
 """
@@ -24,15 +30,19 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+import heapq
+import itertools
+
 import torch
 
-from ..tree import DraftTree, from_paths
+from ..tree import DraftTree
 from .base import DraftContext, DraftRequest, Drafter
-from .prompt_lookup import find_continuations
+from .prompt_lookup import continuation
 
 KEY = 3  # tokens hashed per index entry: the shortest match the index finds
 MAX_MATCH = 32  # a match is extended backwards at most this far (longer ones rank the same)
 PER_KEY = 32  # index entries kept per key, the newest (common keys: "the", indentation)
+CANDIDATES = 32  # matches a tree is built from, the longest (then the newest)
 # what the index's Python objects cost (tracemalloc, CPython 3.12): a token 4 bytes in its array, an entry (one int
 # in a key's list) ~40, a key (its hash, dict slot and list) ~170
 TOKEN_BYTES, ENTRY_BYTES, KEY_BYTES = 4, 40, 170
@@ -88,16 +98,15 @@ class SuffixIndex:
             else:
                 self.table[key] = kept
 
-    def continuations(self, context: list[int], depth: int, limit: int) -> list[list[int]]:
-        """Up to ``limit`` distinct continuations of ``depth`` tokens (fewer where a sequence ends) of the earlier
-        matches of ``context``'s end: the longest matches first, among equally long ones the most frequent
-        continuation first, then the newest."""
+    def matches(self, context: list[int], depth: int) -> list[tuple[int, list[int]]]:
+        """Every indexed earlier occurrence of ``context``'s last ``KEY`` tokens, the newest first: (match length,
+        up to ``MAX_MATCH``, the up to ``depth`` tokens that followed; fewer where its sequence ends)."""
         self.lookups += 1
         if len(context) < KEY or depth < 1:
             return []
         tail = context[-KEY:]
-        found: dict[tuple[int, ...], list[int]] = {}  # continuation -> [best match length, count, newest]
-        for order, entry in enumerate(reversed(self.table.get(hash(tuple(tail)), ()))):
+        found = []
+        for entry in reversed(self.table.get(hash(tuple(tail)), ())):
             sid, end = entry >> 32, entry & 0xFFFFFFFF
             seq = self.seqs.get(sid)
             if seq is None or end >= len(seq) or list(seq[end - KEY:end]) != tail:
@@ -105,36 +114,96 @@ class SuffixIndex:
             m = KEY
             while m < MAX_MATCH and m < end and m < len(context) and seq[end - m - 1] == context[-m - 1]:
                 m += 1
-            cont = tuple(seq[end:end + depth])
-            best = found.setdefault(cont, [0, 0, -order])
-            best[0], best[1] = max(best[0], m), best[1] + 1
-        if found:
-            self.hits += 1
-        ranked = sorted(found.items(), key=lambda kv: kv[1], reverse=True)
-        return [list(cont) for cont, _ in ranked[:limit]]
+            found.append((m, seq[end:end + depth].tolist()))
+        self.hits += bool(found)
+        return found
+
+
+def own_matches(tokens: list[int], depth: int) -> list[tuple[int, list[int]]]:
+    """Every earlier occurrence of ``tokens``' last token in ``tokens``, the most recent first: (match length, up to
+    ``MAX_MATCH``, the ``depth`` tokens predicted if the text goes on as it did there: ``continuation``)."""
+    n, found = len(tokens), []
+    last = tokens[-1]
+    for s in range(n - 2, -1, -1):
+        if tokens[s] != last:
+            continue
+        m = 1
+        while m < MAX_MATCH and m <= s and tokens[s - m] == tokens[n - 1 - m]:
+            m += 1
+        found.append((m, continuation(tokens, s + 1, depth)))
+    return found
+
+
+def frequency_tree(root: int, matches: list[tuple[int, list[int]]], max_nodes: int, max_depth: int) -> DraftTree:
+    """The likeliest tree of at most ``max_nodes`` nodes (root included) and ``max_depth`` levels under ``root``:
+    the ``CANDIDATES`` longest ``matches``' continuations as a trie of counts, each weighted by its match length
+    squared (a longer match predicts better), expanded best first by estimated path probability (the product of
+    each step's share of its parent's weight)."""
+    matches = sorted(matches, key=lambda mc: mc[0], reverse=True)[:CANDIDATES]  # stable: the newest among equals
+    weight: dict[tuple[int, ...], float] = {(): 0.0}
+    children: dict[tuple[int, ...], list[int]] = {}
+    for m, cont in matches:
+        prefix = ()
+        weight[prefix] += m * m
+        for tok in cont[:max_depth]:
+            node = (*prefix, tok)
+            if node not in weight:
+                weight[node] = 0.0
+                children.setdefault(prefix, []).append(tok)
+            weight[node] += m * m
+            prefix = node
+    tokens, parents = [root], [-1]
+    heap: list[tuple[float, int, tuple[int, ...], int]] = []  # (-path probability, order, node, parent index)
+    order = itertools.count()  # among equally likely nodes, the one offered first (the longer, newer match's)
+
+    def offer(prefix: tuple[int, ...], index: int, p: float) -> None:
+        for tok in children.get(prefix, ()):
+            node = (*prefix, tok)
+            heapq.heappush(heap, (-p * weight[node] / weight[prefix], next(order), node, index))
+
+    offer((), 0, 1.0)
+    while heap and len(tokens) < max_nodes:
+        p, _, node, parent = heapq.heappop(heap)
+        tokens.append(node[-1])
+        parents.append(parent)
+        offer(node, len(tokens) - 1, -p)
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), parents)
 
 
 class SuffixDrafter(Drafter):
-    """The request's own context (prompt lookup), then every earlier answer in ``index`` (a new one by default)."""
+    """The request's own context (prompt lookup), then every earlier answer in ``index`` (a new one by default).
+
+    ``scoped_bytes``: every scope gets an index of its own of that many bytes at its first request (the caller bounds
+    the number of scopes: the server's API keys); requests without a scope share ``index``.
+    """
 
     name = "suffix"
 
-    def __init__(self, index: SuffixIndex | None = None, candidates: int = 4, own_ngram: int = 3) -> None:
+    def __init__(self, index: SuffixIndex | None = None, scoped_bytes: int | None = None) -> None:
         self.index = index if index is not None else SuffixIndex()
-        self.candidates, self.own_ngram = candidates, own_ngram
+        self.scoped_bytes = scoped_bytes
+        self.scoped: dict[str, SuffixIndex] = {}
+
+    def index_for(self, scope: str | None) -> SuffixIndex:
+        """The index requests of ``scope`` read and join."""
+        if scope is None or self.scoped_bytes is None:
+            return self.index
+        if scope not in self.scoped:
+            self.scoped[scope] = SuffixIndex(self.scoped_bytes)
+        return self.scoped[scope]
+
+    def indexes(self) -> list[SuffixIndex]:
+        """Every index this drafter holds (the shared one first)."""
+        return [self.index, *self.scoped.values()]
 
     def propose(self, state: Any, ctx: DraftContext, req: DraftRequest) -> tuple[DraftTree, Any]:
-        root, depth = int(ctx.tokens[-1]), req.max_depth
-        paths: list[list[int]] = []
-        for n in range(self.own_ngram, 0, -1):  # the request's own context first: its most recent repeat
-            paths = find_continuations(ctx.tokens, n, depth, 2)
-            if paths:
-                break
-        for cont in self.index.continuations(ctx.tokens[-MAX_MATCH:].tolist(), depth, self.candidates):
-            if cont not in paths:
-                paths.append(cont)
-        return from_paths(root, paths, req.max_nodes), state
+        """The likeliest tree over the matches in the request's own context and in its scope's index."""
+        tokens, depth = ctx.tokens.tolist(), req.max_depth
+        if depth < 1:
+            return DraftTree(ctx.tokens[-1:].clone(), [-1]), state
+        found = own_matches(tokens, depth) + self.index_for(ctx.scope).matches(tokens[-MAX_MATCH:], depth)
+        return frequency_tree(tokens[-1], found, req.max_nodes, depth), state
 
-    def finished(self, state: Any, tokens: torch.Tensor) -> None:
-        """The request ended well: its prompt and answer join the index."""
-        self.index.add(tokens.tolist())
+    def finished(self, state: Any, tokens: torch.Tensor, scope: str | None = None) -> None:
+        """The request ended well: its prompt and answer join its scope's index."""
+        self.index_for(scope).add(tokens.tolist())

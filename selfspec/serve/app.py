@@ -11,7 +11,7 @@ import json
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -53,6 +53,7 @@ class ServerConfig:
     recorder: Recorder | None = None  # --record: finished requests appended for training (none: nothing kept)
     heads: str | None = None  # the heads folder serving at start (a name for /metrics)
     load_heads: Callable[[str], object] | None = None  # a heads folder -> its drafter (POST /v1/heads/reload)
+    suffix_scope: str = "global"  # key: a request's answer shapes the suffix drafts of its own API key's requests only
 
 
 class Server:
@@ -98,8 +99,9 @@ class Server:
             raise APIError(400, f"prompt token ids must lie in [0, {self.vocab})", param="prompt")
         return list(prompt)
 
-    def submit(self, req: ChatRequest | CompletionRequest) -> Job:
-        """Check, tokenize and queue ``req``; APIError for anything that cannot be served."""
+    def submit(self, req: ChatRequest | CompletionRequest, key: str | None = None) -> Job:
+        """Check, tokenize and queue ``req`` (opened by the API key named ``key``); APIError for anything that cannot
+        be served."""
         req.check_supported()
         if req.model != self.config.model_name:
             raise APIError(404, f"the model '{req.model}' does not exist: this server serves "
@@ -120,7 +122,10 @@ class Server:
             raise APIError(400, str(exc), param="messages" if isinstance(req, ChatRequest) else "prompt",
                            code="context_length_exceeded") from None
         timeout = self.config.request_timeout
-        job = Job(ids, req.decode_config(max_new, self.config.decode), asyncio.get_running_loop(),
+        cfg = req.decode_config(max_new, self.config.decode)
+        if self.config.suffix_scope == "key":
+            cfg = replace(cfg, scope=key)
+        job = Job(ids, cfg, asyncio.get_running_loop(),
                   deadline=None if timeout is None else time.monotonic() + timeout)
         if not self.worker.accepting:
             why = f"the engine failed ({self.worker.failure})" if self.worker.failure else "the server is shutting down"
@@ -269,7 +274,7 @@ class Server:
             record.prompt = (json.dumps([m.model_dump(exclude_none=True) for m in req.messages])
                              if isinstance(req, ChatRequest) else str(req.prompt))
         try:
-            job = self.submit(req)
+            job = self.submit(req, record.key)
         except APIError as exc:
             record.outcome = "rejected" if exc.status == 429 else "invalid"
             self.telemetry.requests.inc(endpoint=endpoint, status=record.outcome)
@@ -381,9 +386,9 @@ def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
     async def metrics():
         server.telemetry.queue(server.worker.waiting, server.worker.running)
         drafter = server.engine.drafter
-        index = getattr(drafter, "index", None) or getattr(getattr(drafter, "lookup", None), "index", None)
-        if index is not None:
-            server.telemetry.suffix_index(index)
+        suffix = drafter if hasattr(drafter, "indexes") else getattr(drafter, "lookup", None)
+        if hasattr(suffix, "indexes"):
+            server.telemetry.suffix_index(suffix.indexes())
         return PlainTextResponse(server.telemetry.render(), media_type="text/plain; version=0.0.4")
 
     return app

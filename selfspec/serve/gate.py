@@ -7,6 +7,8 @@ parsed):
             OpenAI's clients send it; missing, malformed or wrong: 401 with OpenAI's error JSON. Keys are compared
             through their SHA-256 digests with ``hmac.compare_digest``, every key every time: the time taken
             tells nothing about how much of a guess was right, nor which key was near. ``/health`` stays open.
+            The key that opened a request is named by its digest's first 12 hex digits (``AccessRecord.key``: the
+            log's ``key=``, and the scope of ``--suffix-scope key``).
     body    a body over ``max_body`` bytes (declared, or counted as it arrives) is refused with 413 before the
             route sees any of it; the route then reads the buffered body.
     log     one line per request on the ``selfspec.access`` logger as it ends: id, method, path, status, outcome,
@@ -43,6 +45,7 @@ class AccessRecord:
     completion_tokens: int | None = None
     ttft_s: float | None = None
     prompt: str | None = None  # kept only when the server logs prompts
+    key: str | None = None  # which API key opened it: the first 12 hex digits of its SHA-256, never the key itself
 
     def line(self, log_prompts: bool) -> str:
         ms = lambda s: f"{s * 1e3:.0f}" if s is not None else "-"  # noqa: E731
@@ -51,6 +54,8 @@ class AccessRecord:
                  f"prompt_tokens={self.prompt_tokens if self.prompt_tokens is not None else '-'}",
                  f"completion_tokens={self.completion_tokens if self.completion_tokens is not None else '-'}",
                  f"ttft_ms={ms(self.ttft_s)}", f"duration_ms={ms(time.monotonic() - self.start)}"]
+        if self.key is not None:
+            parts.append(f"key={self.key}")
         if log_prompts and self.prompt is not None:
             parts.append(f"prompt={json.dumps(self.prompt, ensure_ascii=False)}")
         return " ".join(parts)
@@ -69,19 +74,22 @@ class KeyCheck:
     def __bool__(self) -> bool:
         return bool(self.digests)
 
-    def refusal(self, header: str | None) -> tuple[str, str] | None:
-        """(why, OpenAI's error code) a request with this ``Authorization`` header is refused; None: a key of ours."""
+    def verdict(self, header: str | None) -> tuple[tuple[str, str] | None, str | None]:
+        """(why, OpenAI's error code) a request with this ``Authorization`` header is refused, or None for a key of
+        ours; and which key it is (the first 12 hex digits of its digest: a name for logs and per-key state)."""
         if header is None:
             return ("no API key: send it in an 'Authorization: Bearer KEY' header (the openai client's api_key "
-                    "does so)", "missing_api_key")
+                    "does so)", "missing_api_key"), None
         scheme, _, token = header.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return "malformed Authorization header: expected 'Bearer KEY'", "invalid_api_key"
+            return ("malformed Authorization header: expected 'Bearer KEY'", "invalid_api_key"), None
         candidate = _digest(token.strip())
         match = False
         for digest in self.digests:  # no early exit
             match |= hmac.compare_digest(candidate, digest)
-        return None if match else ("incorrect API key provided", "invalid_api_key")
+        if not match:
+            return ("incorrect API key provided", "invalid_api_key"), None
+        return None, candidate.hex()[:12]
 
 
 class Gate:
@@ -118,7 +126,7 @@ class Gate:
     async def _pass(self, scope, receive, send, record: AccessRecord) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         if self.keys and self.protected(scope["path"]):
-            refused = self.keys.refusal(headers.get("authorization"))
+            refused, record.key = self.keys.verdict(headers.get("authorization"))
             if refused is not None:
                 record.outcome = "unauthorized"
                 return await _answer(send, 401, error_body(*refused[:1], "invalid_request_error", code=refused[1]),

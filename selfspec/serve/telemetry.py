@@ -54,7 +54,8 @@ class Telemetry:
         self.heads_tau = r.add(Gauge("selfspec_heads_mean_accepted_tokens",
                                      "tau of the finished requests each heads folder drafted (tokens / row passes)"))
         self.suffix = r.add(Gauge("selfspec_suffix_index", "The suffix drafter's index (--drafter suffix): bytes held "
-                                  "(within its bound), sequences, lookups and lookups that found a match"))
+                                  "(within its bound), sequences, lookups and lookups that found a match, summed over its "
+                                  "indexes (scopes: one shared, one per API key with --suffix-scope key)"))
         self._by_heads: dict[str, list[float]] = {}  # heads -> [tokens, row passes]
         self._heads_seen: set[str] = set()
 
@@ -96,10 +97,12 @@ class Telemetry:
         self.waiting.set(waiting)
         self.running.set(running)
 
-    def suffix_index(self, index) -> None:
-        """The suffix drafter's index as it stands (read between steps: plain integers, no lock needed)."""
-        for what, value in (("bytes", index.nbytes), ("max_bytes", index.max_bytes), ("sequences", len(index.seqs)),
-                            ("lookups", index.lookups), ("hits", index.hits)):
+    def suffix_index(self, indexes) -> None:
+        """The suffix drafter's indexes as they stand, summed (read between steps: plain integers, no lock needed);
+        ``scopes``: how many (one shared, and one per API key that sent a request under ``--suffix-scope key``)."""
+        for what, value in (("bytes", sum(i.nbytes for i in indexes)), ("max_bytes", sum(i.max_bytes for i in indexes)),
+                            ("sequences", sum(len(i.seqs) for i in indexes)), ("lookups", sum(i.lookups for i in indexes)),
+                            ("hits", sum(i.hits for i in indexes)), ("scopes", len(indexes))):
             self.suffix.set(value, part=what)
 
     def render(self) -> str:
