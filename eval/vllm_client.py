@@ -47,6 +47,13 @@ def missing_environment() -> str | None:
     return f"no vLLM environment at {python}; run `make vllm-env` (or set {PYTHON_ENV})"
 
 
+def has_arctic_inference() -> bool:
+    """Whether vLLM's environment has Arctic Inference's suffix trees (``make vllm-suffix``): what vLLM's own
+    suffix decoding imports."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('arctic_inference') is None)"
+    return subprocess.run([str(vllm_python()), "-c", probe], capture_output=True, check=False).returncode == 0
+
+
 def depth_counts(drafts: int, accepted_per_pos: list[int]) -> tuple[list[int], list[int]]:
     """vLLM's chain counters as selfspec's (reached, accepted) per depth: a draft reaches depth d + 1 when its
     positions 0..d-1 were all accepted (vLLM accepts a prefix, so that is the count at position d - 1)."""

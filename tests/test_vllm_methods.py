@@ -171,3 +171,20 @@ def test_batch_sizes_are_timed_for_both_workers(fake_python):
     assert rows[1]["tokens"] == [16, 16] and rows[1]["seconds"] == [1.0, 1.0]  # 4 prompts x 2 tokens x 2 rounds
     lines = table(rows, "vllm+eagle3").splitlines()
     assert lines[0].startswith("| batch | vllm tok/s | vllm+eagle3 tok/s") and lines[3].startswith("| 4 | 16.00 | 16.00 | 1.00x")
+
+
+def test_bench_skips_vllm_suffix_without_arctic_inference(tmp_path, monkeypatch, capsys):
+    """A vLLM environment whose python finds no ``arctic_inference``: vllm-suffix alone is skipped, in one line."""
+    from selfspec_eval.bench import without_missing_vllm
+
+    bare = tmp_path / "python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I \"$@\"\n")  # isolated: no site-packages of ours
+    bare.chmod(bare.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv(PYTHON_ENV, str(bare))
+    assert without_missing_vllm(["plain", "vllm", "vllm-suffix"]) == ["plain", "vllm"]
+    out = capsys.readouterr().out
+    assert out.startswith("skipping vllm-suffix: ") and "make vllm-suffix" in out and out.count("\n") == 1
+    (tmp_path / "site" / "arctic_inference").mkdir(parents=True)
+    (tmp_path / "site" / "arctic_inference" / "__init__.py").write_text("")
+    bare.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'site'} exec {sys.executable} \"$@\"\n")  # now it is there
+    assert without_missing_vllm(["plain", "vllm-suffix"]) == ["plain", "vllm-suffix"]

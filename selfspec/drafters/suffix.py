@@ -9,9 +9,9 @@ outputs their keys): the text a server already produced is the cheapest good dra
                     by ``max_bytes`` of its own accounting, checked against tracemalloc (the oldest answers go
                     first); shared by every request of an engine
     SuffixDrafter   per step, every earlier occurrence of the context's end, each extended backwards to its match
-                    length m (up to ``MAX_MATCH``): in the request's own context (of its last token, ``own_matches``)
-                    and in the index (of its last ``KEY``); the ``CANDIDATES`` longest matches' continuations, each
-                    weighted m^2, make a trie of counts, and the tree drafted is its likeliest nodes by estimated
+                    length m (up to ``MAX_MATCH``): in the request's own context (of its last token, ``own_matches``,
+                    m counted ``OWN`` times) and in the index (of its last ``KEY``); the ``CANDIDATES`` longest
+                    matches' continuations, each weighted m^2, make a trie of counts, and the tree drafted is its likeliest nodes by estimated
                     path probability (``frequency_tree``, SuffixDecoding's rule): where earlier text agrees the tree
                     goes deep, where it forks the tree branches; a request that ended well joins the index, prompt
                     and answer (``finished``;
@@ -43,6 +43,8 @@ KEY = 3  # tokens hashed per index entry: the shortest match the index finds
 MAX_MATCH = 32  # a match is extended backwards at most this far (longer ones rank the same)
 PER_KEY = 32  # index entries kept per key, the newest (common keys: "the", indentation)
 CANDIDATES = 32  # matches a tree is built from, the longest (then the newest)
+OWN = 2  # a match in the request's own context counts as one this many times as long as an earlier answer's: its
+# own text repeats its specifics (names, values), another request's only the skeleton (+2-4% tau on templated tests)
 # what the index's Python objects cost (tracemalloc, CPython 3.12): a token 4 bytes in its array, an entry (one int
 # in a key's list) ~40, a key (its hash, dict slot and list) ~170
 TOKEN_BYTES, ENTRY_BYTES, KEY_BYTES = 4, 40, 170
@@ -201,7 +203,8 @@ class SuffixDrafter(Drafter):
         tokens, depth = ctx.tokens.tolist(), req.max_depth
         if depth < 1:
             return DraftTree(ctx.tokens[-1:].clone(), [-1]), state
-        found = own_matches(tokens, depth) + self.index_for(ctx.scope).matches(tokens[-MAX_MATCH:], depth)
+        own = [(OWN * m, cont) for m, cont in own_matches(tokens, depth)]
+        found = own + self.index_for(ctx.scope).matches(tokens[-MAX_MATCH:], depth)
         return frequency_tree(tokens[-1], found, req.max_nodes, depth), state
 
     def finished(self, state: Any, tokens: torch.Tensor, scope: str | None = None) -> None:
