@@ -118,14 +118,14 @@ def summary(s, drafter) -> dict:
 def run_file(args: argparse.Namespace) -> int:
     """``--prompts``: every prompt decoded, ``--max-batch`` at a time; one JSON line per answer, in order."""
     from selfspec.batching import BatchEngine
-    from selfspec.context import check_fits
+    from selfspec.context import check_request
     from selfspec.zoo import load_config, load_tokenizer
 
     prompts = file_prompts(args.prompts, load_tokenizer(args.model), not args.no_chat_template)
     config = load_config(args.model)
     for i, (_, ids) in enumerate(prompts, start=1):
         try:
-            check_fits(config, len(ids), args.max_new_tokens)
+            check_request(config, len(ids), args.max_new_tokens)
         except SelfspecError as exc:
             raise SelfspecError(f"{args.prompts}, prompt {i}: {exc}") from None
     model, tokenizer = load_target(args)
@@ -143,13 +143,13 @@ def run(args: argparse.Namespace) -> int:
     """Check the prompt against the context, load, decode; print the text and stats."""
     if args.prompts:
         return run_file(args)
-    from selfspec.context import check_fits
+    from selfspec.context import check_request
     from selfspec.engine import SpeculativeEngine
     from selfspec.stats import GenerationStats
     from selfspec.zoo import load_config, load_tokenizer
 
     ids = prompt_ids(load_tokenizer(args.model), args.prompt, not args.no_chat_template)
-    check_fits(load_config(args.model), len(ids), args.max_new_tokens)
+    check_request(load_config(args.model), len(ids), args.max_new_tokens)
     model, tokenizer = load_target(args)
     drafter = build_drafter(args, model, tokenizer)
     engine = SpeculativeEngine(model, drafter, tokenizer, backend=args.target_pass, exact=args.exact)

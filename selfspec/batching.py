@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from .batch_pass import BatchPass
 from .budget import Budget
-from .context import context_length
+from .context import check_request, context_length
 from .engine import GenerationResult, SpeculativeEngine
 from .errors import SelfspecError
 from .prefix_cache import PrefixCache
@@ -118,14 +118,14 @@ class BatchEngine:
         """Refuse, as one line, settings this engine cannot run."""
         self.engine.check_config(cfg)
 
+    def check_request(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse (``ContextError``, one line) a request longer than the model reads or a row holds."""
+        check_request(self.model.config, prompt_tokens, max_new_tokens, self.context)
+
     def add(self, prompt: torch.Tensor | list[int], cfg: DecodeConfig | None = None,
             stats: GenerationStats | None = None) -> Request:
         """Queue a request (checked now: a bad prompt or settings raise ``SelfspecError`` here, not mid-batch)."""
-        req = Request(self.engine, prompt, cfg or DecodeConfig(), stats)
-        if req.max_len > self.target.context:
-            raise SelfspecError(f"the prompt ({req.ids.numel():,} tokens) and up to {req.cfg.max_new_tokens:,} new "
-                                f"tokens exceed the {self.target.context:,} positions per request of this batch "
-                                "engine (its context)")
+        req = Request(self.engine, prompt, cfg or DecodeConfig(), stats, context=self.context)
         self.waiting.append(req)
         return req
 

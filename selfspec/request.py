@@ -26,7 +26,7 @@ import torch
 
 from .acceptance import accept_greedy, accept_sampling
 from .adaptive import AdaptiveDepth, DepthPolicy, VerifyCost
-from .context import check_fits
+from .context import check_request
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .dtypes import dtype_name
 from .errors import SelfspecError
@@ -152,13 +152,13 @@ class Request:
     drafter, tokenizer and target pass); the prompt and ``cfg`` are checked here, before anything runs."""
 
     def __init__(self, engine, prompt: torch.Tensor | list[int], cfg: DecodeConfig,
-                 stats: GenerationStats | None = None) -> None:
+                 stats: GenerationStats | None = None, context: int | None = None) -> None:
         self.started = self.joined = time.perf_counter()
         self.cfg, self.stats = cfg, stats if stats is not None else GenerationStats()
         self.stats.dtype, self.stats.target_pass = dtype_name(model_dtype(engine.model)), engine.target.name
         self.stats.exact = engine.target.exact
         self.ids = engine.prompt_tensor(prompt)
-        check_fits(engine.model.config, self.ids.numel(), cfg.max_new_tokens)  # before anything runs
+        check_request(engine.model.config, self.ids.numel(), cfg.max_new_tokens, context)  # before anything runs
         engine.check_config(cfg)
         self.device, self.drafter = engine.device, engine.drafter
         self.gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))

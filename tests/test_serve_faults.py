@@ -100,3 +100,18 @@ def test_settings_that_cannot_work_are_refused_before_any_request() -> None:
     engine.check_config(DecodeConfig(max_nodes=64))
     with pytest.raises(SelfspecError, match="--max-nodes"):  # and a request would say the same, before prefill
         engine.generate([1, 2, 3], DecodeConfig(max_nodes=65))
+
+
+def test_a_request_longer_than_a_row_is_one_400_and_the_server_goes_on() -> None:
+    """The engine's one length check (``BatchEngine.check_request``) answers for the server: 400
+    context_length_exceeded with its line (a row of the tiny server holds 256 positions), nothing queued."""
+    server = Live("tiny", smooth=False)
+    try:
+        status, raw = server.call("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 400})
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+        assert "new tokens exceed the 256 positions per request this engine holds (--max-context)" in error["message"]
+        assert "ask for at most" in error["message"] and server.engine.waiting == []
+        assert server.call("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 8})[0] == 200
+    finally:
+        server.close()

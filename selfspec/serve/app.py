@@ -18,12 +18,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..context import check_fits, context_length
+from ..context import context_length
 from ..data import apply_chat_template
 from ..detokenize import IncrementalText
 from ..batching import BatchEngine
 from ..engine import DecodeConfig, eos_ids
-from ..errors import SelfspecError
+from ..errors import ContextError, SelfspecError
 from ..stopping import StopText
 from .gate import AccessRecord, Gate
 from .pacing import Pacer
@@ -113,12 +113,8 @@ class Server:
         wanted = req.wanted_tokens()
         max_new = wanted or max(1, min(self.config.default_max_tokens, limit - len(ids)))
         try:
-            check_fits(self.engine.model.config, len(ids), max_new)
-            if len(ids) + max_new > self.engine.context:
-                raise SelfspecError(f"the prompt ({len(ids):,} tokens) and up to {max_new:,} new tokens exceed the "
-                                    f"{self.engine.context:,} positions per request this server holds "
-                                    "(--max-context)")
-        except SelfspecError as exc:
+            self.engine.check_request(len(ids), max_new)
+        except ContextError as exc:
             raise APIError(400, str(exc), param="messages" if isinstance(req, ChatRequest) else "prompt",
                            code="context_length_exceeded") from None
         timeout = self.config.request_timeout
