@@ -109,6 +109,29 @@ def test_batched_rows_with_a_shared_index_equal_their_greedy_answers(arch: str) 
     assert batch.drafter.index.hits > 0
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_heads_beside_suffix_drafts_equal_greedy(batched: bool) -> None:
+    """<heads>+suffix: the suffix index first where an earlier answer (or the context) matches, the heads elsewhere;
+    every answer plain greedy's, whoever drafted (repeated prompts: the second asking is drafted from the first)."""
+    from conftest import HEADS_HYPER, perturb
+    from selfspec.drafters.lookup_first import LookupFirstDrafter
+    from selfspec.heads import init_heads, make_drafter
+
+    model = tiny_model(2, vocab=VOCAB, layers=3)
+    heads = make_drafter(perturb(init_heads("eagle", model, **HEADS_HYPER["eagle"]), 2), model)
+    drafter = LookupFirstDrafter(heads, lookup=SuffixDrafter())
+    prompts = [prompt_for(i % 2, 12, VOCAB) for i in range(4)]
+    cfg = DecodeConfig(max_new_tokens=24, max_depth=4, max_nodes=10, adaptive=False)
+    if batched:
+        results = BatchEngine(model, drafter, max_batch=2, context=128).generate_batch(prompts, cfg)
+    else:
+        engine = SpeculativeEngine(model, drafter)
+        results = [engine.generate(p, cfg) for p in prompts]
+    assert [r.tokens for r in results] == [hf_greedy(model, p, 24) for p in prompts]
+    sources = {s for r in results for s in r.stats.drafts_by_source}
+    assert {"eagle", "suffix"} <= sources and drafter.lookup.index.hits > 0  # both drafted
+
+
 def test_sampling_with_suffix_drafts_keeps_the_distribution() -> None:
     model = tiny_model(11, vocab=SAMPLING_VOCAB, hidden=16)
     drafter = SuffixDrafter()
