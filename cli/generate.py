@@ -36,14 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_drafter_options(p)
 
 
-def suffix_drafter(args: argparse.Namespace, scopes: int = 0):
-    """``--drafter suffix``'s drafter within ``--suffix-max-mib``: one index, or ``scopes`` indexes sharing it."""
+def suffix_drafter(args: argparse.Namespace, scopes: int = 0, min_match: int = 1):
+    """``--drafter suffix``'s drafter within ``--suffix-max-mib``: one index, or ``scopes`` indexes sharing it;
+    drafting from matches of ``min_match`` tokens or more."""
     from selfspec.drafters.suffix import SuffixDrafter, SuffixIndex
 
     total = int(args.suffix_max_mib * 2**20)
     if scopes:
-        return SuffixDrafter(SuffixIndex(0), scoped_bytes=total // scopes)
-    return SuffixDrafter(SuffixIndex(total))
+        return SuffixDrafter(SuffixIndex(0), scoped_bytes=total // scopes, min_match=min_match)
+    return SuffixDrafter(SuffixIndex(total), min_match=min_match)
 
 
 def build_drafter(args: argparse.Namespace, model, tokenizer, suffix_scopes: int = 0):
@@ -58,8 +59,8 @@ def build_drafter(args: argparse.Namespace, model, tokenizer, suffix_scopes: int
         from selfspec.checkpoint import load_heads
 
         drafter = load_heads(model, args.heads, tokenizer=tokenizer)[1]
-        if args.drafter == "suffix":  # heads, with suffix drafts first where they match
-            return LookupFirstDrafter(drafter, lookup=suffix_drafter(args, suffix_scopes))
+        if args.drafter == "suffix":  # heads, with suffix drafts first where 3+ tokens match
+            return LookupFirstDrafter(drafter, lookup=suffix_drafter(args, suffix_scopes, min_match=3))
         return drafter if args.no_lookup else LookupFirstDrafter(drafter)
     if args.drafter == "none":
         return None

@@ -161,7 +161,7 @@ def build_methods(names: list[str], target: nn.Module, tokenizer, draft: nn.Modu
             if name.endswith("+lookup"):
                 drafter = LookupFirstDrafter(drafter)
             elif name.endswith("+suffix"):
-                drafter = LookupFirstDrafter(drafter, lookup=SuffixDrafter())
+                drafter = LookupFirstDrafter(drafter, lookup=SuffixDrafter(min_match=3))  # as --heads --drafter suffix
             out.append(Method(name, "selfspec", drafter, heads_dir=folder))
         else:
             known = ", ".join([*BASE_METHODS, *VLLM_METHODS, *heads, *(f"{h}+{s}" for h in heads for s in SOURCES),

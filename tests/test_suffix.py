@@ -31,6 +31,18 @@ def test_matches_are_measured_back_to_where_the_contexts_differ() -> None:
     assert own_matches([5, 6, 7, 5, 6, 9, 5, 6], depth=3) == [(2, [9, 5, 6]), (2, [7, 5, 6])]
 
 
+def test_beside_heads_only_matches_of_min_match_tokens_draft() -> None:
+    from selfspec.drafters.base import DraftContext, DraftRequest
+    from selfspec.sampling import SamplingConfig
+
+    req = DraftRequest(4, 16, SamplingConfig())
+    weak = DraftContext(torch.tensor([5, 6, 7, 1, 2, 7]), 5)  # 7 occurred before, after 6: a 1-token match
+    assert SuffixDrafter().propose(None, weak, req)[0].tokens.tolist() == [7, 1, 2, 7, 1]
+    assert SuffixDrafter(min_match=3).propose(None, weak, req)[0].size == 1  # the heads' turn
+    strong = DraftContext(torch.tensor([5, 6, 7, 1, 2, 5, 6, 7]), 7)  # 5 6 7 again: 3 tokens
+    assert SuffixDrafter(min_match=3).propose(None, strong, req)[0].tokens.tolist() == [7, 1, 2, 5, 6]
+
+
 def test_the_tree_holds_the_likeliest_continuations_first() -> None:
     # weights m^2: [8 8] 16; [6 6] 9 twice; [6 7] 9. Path probabilities: 6 27/43, 6 6 18/43, 8 16/43, 8 8 16/43, 6 7 9/43
     found = [(4, [8, 8]), (3, [6, 6]), (3, [6, 6]), (3, [6, 7])]
@@ -119,7 +131,7 @@ def test_heads_beside_suffix_drafts_equal_greedy(batched: bool) -> None:
 
     model = tiny_model(2, vocab=VOCAB, layers=3)
     heads = make_drafter(perturb(init_heads("eagle", model, **HEADS_HYPER["eagle"]), 2), model)
-    drafter = LookupFirstDrafter(heads, lookup=SuffixDrafter())
+    drafter = LookupFirstDrafter(heads, lookup=SuffixDrafter(min_match=3))
     prompts = [prompt_for(i % 2, 12, VOCAB) for i in range(4)]
     cfg = DecodeConfig(max_new_tokens=24, max_depth=4, max_nodes=10, adaptive=False)
     if batched:

@@ -176,14 +176,16 @@ class SuffixDrafter(Drafter):
     """The request's own context (prompt lookup), then every earlier answer in ``index`` (a new one by default).
 
     ``scoped_bytes``: every scope gets an index of its own of that many bytes at its first request (the caller bounds
-    the number of scopes: the server's API keys); requests without a scope share ``index``.
+    the number of scopes: the server's API keys); requests without a scope share ``index``. ``min_match``: matches
+    shorter than this many tokens are not drafted from (beside heads: 3, as lookup-first's n-grams, so the heads draft
+    where the context only repeats a token or two; alone: 1, every match).
     """
 
     name = "suffix"
 
-    def __init__(self, index: SuffixIndex | None = None, scoped_bytes: int | None = None) -> None:
+    def __init__(self, index: SuffixIndex | None = None, scoped_bytes: int | None = None, min_match: int = 1) -> None:
         self.index = index if index is not None else SuffixIndex()
-        self.scoped_bytes = scoped_bytes
+        self.scoped_bytes, self.min_match = scoped_bytes, min_match
         self.scoped: dict[str, SuffixIndex] = {}
 
     def index_for(self, scope: str | None) -> SuffixIndex:
@@ -203,8 +205,9 @@ class SuffixDrafter(Drafter):
         tokens, depth = ctx.tokens.tolist(), req.max_depth
         if depth < 1:
             return DraftTree(ctx.tokens[-1:].clone(), [-1]), state
-        own = [(OWN * m, cont) for m, cont in own_matches(tokens, depth)]
-        found = own + self.index_for(ctx.scope).matches(tokens[-MAX_MATCH:], depth)
+        found = [(OWN * m, cont) for m, cont in own_matches(tokens, depth) if m >= self.min_match]
+        found += [(m, cont) for m, cont in self.index_for(ctx.scope).matches(tokens[-MAX_MATCH:], depth)
+                  if m >= self.min_match]
         return frequency_tree(tokens[-1], found, req.max_nodes, depth), state
 
     def finished(self, state: Any, tokens: torch.Tensor, scope: str | None = None) -> None:
