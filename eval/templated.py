@@ -10,7 +10,8 @@ and canonical solution, in task order), runs ``selfspec bench`` on them (greedy,
 turn, each method keeping what it learned from the requests before: the same run's output identity check), then
 prints tau (tokens per target pass) and tokens/s over the first and the last ``--window`` requests per method,
 and the ratio of the last window's tau to the first method's (prompt lookup, by default the baseline).
-Writes ``OUT/templated.json`` beside the bench's report. Options after ``--`` go to the bench as they are.
+Writes ``OUT/templated.json`` beside the bench's report (vLLM's methods: tau from vLLM's own acceptance counters).
+Options after ``--`` go to the bench as they are.
 """
 
 from __future__ import annotations
@@ -45,12 +46,19 @@ def prompts(task: str, n: int) -> list[dict]:
     return out
 
 
+def passes(row: dict) -> float:
+    """Target passes of one request: counted by selfspec, or from vLLM's own acceptance counters (its tau)."""
+    if row["target_forwards"] is not None:
+        return row["target_forwards"]
+    return len(row["tokens"]) / row["tau"] if row.get("tau") else 0.0
+
+
 def pooled(part: list[dict]) -> dict:
     """tau (tokens over target passes) and tokens/s (tokens over seconds) of some requests together."""
     tokens = sum(len(r["tokens"]) for r in part)
-    passes = sum(r["target_forwards"] or 0 for r in part)
+    passes_ = sum(passes(r) for r in part)
     seconds = sum(r["seconds"] for r in part)
-    return {"requests": len(part), "tau": tokens / passes if passes else None,
+    return {"requests": len(part), "tau": tokens / passes_ if passes_ else None,
             "tokens_per_s": tokens / seconds if seconds else None}
 
 
@@ -95,8 +103,9 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     path = out / "prompts.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in asked))
     methods = args.methods.split(",")
-    status = bench.main(["--model", args.model, "--methods", args.methods, "--prompts", str(path), "--n",
-                         str(args.n), "--max-prompt-tokens", "1000", "--out", str(out), "--no-plots", *rest])
+    status = 0 if args.report_only else bench.main(
+        ["--model", args.model, "--methods", args.methods, "--prompts", str(path), "--n", str(args.n),
+         "--max-prompt-tokens", "1000", "--out", str(out), "--no-plots", *rest])
     rows = read_records(out / "runs.jsonl")
     order = list(dict.fromkeys(r["prompt"] for r in rows))  # as served
     result = windows(rows, methods, order, args.window)
@@ -122,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--methods", default="prompt-lookup,suffix,eagle+lookup,eagle+suffix",
                    help="bench methods, the baseline first (default: %(default)s)")
     p.add_argument("--out", default="runs/templated")
+    p.add_argument("--report-only", action="store_true", help="the windows of the runs already in --out; run nothing")
     return run_command(p.prog, lambda a: run(a, rest), p.parse_args(own))
 
 

@@ -222,3 +222,16 @@ def test_a_server_with_suffix_scope_key_keeps_each_api_keys_answers_apart() -> N
         assert 'selfspec_suffix_index{part="scopes"} 3.0' in metrics  # the unused shared one and two keys'
     finally:
         server.close()
+
+
+def test_a_replay_accepts_the_longest_matching_path_and_remembers_answers() -> None:
+    from selfspec.tree import from_paths
+    from selfspec_eval.suffix_replay import accepted, replay
+
+    tree = from_paths(0, [[1, 2, 3], [1, 4]])
+    assert accepted(tree, [1, 2, 9]) == 2 and accepted(tree, [1, 4, 4]) == 2 and accepted(tree, [5]) == 0
+    answer = [7, 8, 9, 10, 11, 12] * 3
+    once = replay(SuffixDrafter(), [([1, 2, 3], answer)], depth=8, nodes=16)
+    twice = replay(SuffixDrafter(), [([1, 2, 3], answer), ([1, 2, 3], answer)], depth=8, nodes=16)
+    assert once[0] == twice[0] and twice[1][1] < twice[0][1]  # the second asking is drafted from the first answer
+    assert twice[1][1] == 2  # 18 tokens in passes of 8 drafted + 1: whole continuations from the first answer
