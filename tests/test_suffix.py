@@ -53,6 +53,8 @@ def test_the_tree_holds_the_likeliest_continuations_first() -> None:
     assert sorted(zip(whole.depth, whole.tokens.tolist())) == [(0, 0), (1, 6), (1, 8), (2, 6), (2, 7), (2, 8)]
     assert frequency_tree(0, found, max_nodes=16, max_depth=1).tokens.tolist() == [0, 6, 8]
     assert frequency_tree(0, [], max_nodes=16, max_depth=4).tokens.tolist() == [0]
+    weak = frequency_tree(0, [(1, list(range(1, 17)))], max_nodes=32, max_depth=16)  # a 1-token match: 4 deep
+    assert weak.tokens.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_the_index_stays_within_its_bound_and_forgets_the_oldest_first() -> None:
@@ -68,6 +70,19 @@ def test_the_index_stays_within_its_bound_and_forgets_the_oldest_first() -> None
     assert index.tokens == 300 and sorted(index.seqs) == [18, 19, 20]  # the newest three
     assert index.entries == whole.entries and len(index.table) == len(whole.table)  # the others' entries went too
     assert index.matches(seqs[0][:40], 4) == whole.matches(seqs[0][:40], 4)
+
+
+def test_an_answer_drafted_from_is_kept_over_older_unused_ones() -> None:
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 50_000, (60,), generator=g).tolist() for _ in range(4)]  # keys all distinct
+    one = SuffixIndex(max_bytes=2**30)
+    one.add(seqs[0])
+    index = SuffixIndex(max_bytes=int(3.5 * one.nbytes))  # room for three
+    for seq in seqs[:3]:
+        index.add(seq)
+    assert index.matches(seqs[0][:20], 4)  # the oldest one drafts: now the most recently used
+    index.add(seqs[3])
+    assert sorted(index.seqs) == [0, 2, 3]  # the least recently used (1) went, not the oldest (0)
 
 
 def test_the_accounting_holds_what_python_allocates() -> None:

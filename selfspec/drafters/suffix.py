@@ -6,8 +6,8 @@ outputs their keys): the text a server already produced is the cheapest good dra
 
     SuffixIndex     earlier answers as compact token arrays, and for every position an entry under a hash of the
                     ``KEY`` tokens that end there (at most ``PER_KEY`` entries per key, the newest kept); bounded
-                    by ``max_bytes`` of its own accounting, checked against tracemalloc (the oldest answers go
-                    first); shared by every request of an engine
+                    by ``max_bytes`` of its own accounting, checked against tracemalloc (the least recently used
+                    answers, added or drafted from, go first); shared by every request of an engine
     SuffixDrafter   per step, every earlier occurrence of the context's end, each extended backwards to its match
                     length m (up to ``MAX_MATCH``): in the request's own context (of its last token, ``own_matches``,
                     m counted ``OWN`` times) and in the index (of its last ``KEY``); the ``CANDIDATES`` longest
@@ -43,6 +43,8 @@ KEY = 3  # tokens hashed per index entry: the shortest match the index finds
 MAX_MATCH = 32  # a match is extended backwards at most this far (longer ones rank the same)
 PER_KEY = 32  # index entries kept per key, the newest (common keys: "the", indentation)
 CANDIDATES = 32  # matches a tree is built from, the longest (then the newest)
+DEPTH_PER_MATCH = 4  # a tree reaches at most this many tokens per token of its longest match (SuffixDecoding's spec
+# factor): a weak match drafts short; neutral on the recorded templated answers, it bounds the nodes a guess costs
 OWN = 2  # a match in the request's own context counts as one this many times as long as an earlier answer's: its
 # own text repeats its specifics (names, values), another request's only the skeleton (+2-4% tau on templated tests)
 # what the index's Python objects cost (tracemalloc, CPython 3.12): a token 4 bytes in its array, an entry (one int
@@ -51,7 +53,8 @@ TOKEN_BYTES, ENTRY_BYTES, KEY_BYTES = 4, 40, 170
 
 
 class SuffixIndex:
-    """Earlier sequences, searchable by their last ``KEY`` tokens, within ``max_bytes`` (oldest evicted first)."""
+    """Earlier sequences, searchable by their last ``KEY`` tokens, within ``max_bytes`` (the least recently used
+    evicted first)."""
 
     def __init__(self, max_bytes: int = 64 * 2**20) -> None:
         self.max_bytes = max_bytes
@@ -67,7 +70,8 @@ class SuffixIndex:
         return TOKEN_BYTES * self.tokens + ENTRY_BYTES * self.entries + KEY_BYTES * len(self.table)
 
     def add(self, tokens: list[int]) -> None:
-        """Index ``tokens`` (a request's prompt and answer); the oldest sequences go while over ``max_bytes``."""
+        """Index ``tokens`` (a request's prompt and answer); the least recently used sequences (added or drafted from)
+        go while over ``max_bytes``."""
         if len(tokens) <= KEY or len(tokens) * (TOKEN_BYTES + ENTRY_BYTES + KEY_BYTES) > self.max_bytes:
             return
         sid, seq = self.added, array("i", tokens)
@@ -85,7 +89,7 @@ class SuffixIndex:
             self._evict()
 
     def _evict(self) -> None:
-        """Drop the oldest sequence and its entries."""
+        """Drop the least recently used sequence and its entries."""
         sid, seq = self.seqs.popitem(last=False)
         self.tokens -= len(seq)
         for end in range(KEY, len(seq) + 1):
@@ -117,6 +121,7 @@ class SuffixIndex:
             while m < MAX_MATCH and m < end and m < len(context) and seq[end - m - 1] == context[-m - 1]:
                 m += 1
             found.append((m, seq[end:end + depth].tolist()))
+            self.seqs.move_to_end(sid)  # drafted from: the least recently used sequences are evicted first
         self.hits += bool(found)
         return found
 
@@ -138,10 +143,13 @@ def own_matches(tokens: list[int], depth: int) -> list[tuple[int, list[int]]]:
 
 def frequency_tree(root: int, matches: list[tuple[int, list[int]]], max_nodes: int, max_depth: int) -> DraftTree:
     """The likeliest tree of at most ``max_nodes`` nodes (root included) and ``max_depth`` levels under ``root``:
-    the ``CANDIDATES`` longest ``matches``' continuations as a trie of counts, each weighted by its match length
-    squared (a longer match predicts better), expanded best first by estimated path probability (the product of
+    the ``CANDIDATES`` longest ``matches``' continuations (at most ``DEPTH_PER_MATCH`` tokens per token of the longest
+    match) as a trie of counts, each weighted by its match length squared (a longer match predicts better), expanded
+    best first by estimated path probability (the product of
     each step's share of its parent's weight)."""
     matches = sorted(matches, key=lambda mc: mc[0], reverse=True)[:CANDIDATES]  # stable: the newest among equals
+    if matches:
+        max_depth = min(max_depth, int(DEPTH_PER_MATCH * matches[0][0]))
     weight: dict[tuple[int, ...], float] = {(): 0.0}
     children: dict[tuple[int, ...], list[int]] = {}
     for m, cont in matches:
