@@ -26,17 +26,16 @@ Drafts are deterministic proposals (as prompt lookup's), so verification stays l
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from array import array
 from collections import OrderedDict
 from typing import Any
 
-import heapq
-import itertools
-
 import torch
 
 from ..tree import DraftTree
-from .base import DraftContext, DraftRequest, Drafter
+from .base import DraftContext, Drafter, DraftRequest
 from .prompt_lookup import continuation
 
 KEY = 3  # tokens hashed per index entry: the shortest match the index finds
