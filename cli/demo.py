@@ -17,7 +17,7 @@ import torch
 from selfspec.divergence import IDENTICAL, NEAR_TIE, REAL, Divergence, DivergenceChecker
 from selfspec.engine import GenerationResult
 from selfspec.options import add_decoding_options, add_heads_path_option, add_model_options, heads_folder
-from selfspec.packed_linear import weight_numel
+from selfspec.memory import weight_numel
 
 HELP = "plain vs self-speculative decoding of one prompt, side by side"
 DEMO_PROMPT = ("Write a Python function `is_palindrome(s)` that ignores case and punctuation, "
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.engine import DecodeConfig, SpeculativeEngine
     from selfspec.memory import format_bytes, predict_added, predict_target
     from selfspec.options import decode_config, load_target
-    from selfspec.target_pass import make_target_pass
+    from selfspec.target import make_target_pass
 
     torch.manual_seed(0)
     model, tokenizer = load_target(args)

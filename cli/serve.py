@@ -174,7 +174,7 @@ def max_batch(args: argparse.Namespace, model) -> int:
     """--max-batch, or as many requests as fit half the free memory (at least 1, at most ``DEFAULT_MAX_BATCH``)."""
     from selfspec.batching import default_context
     from selfspec.memory import free_memory, kv_bytes_per_token, model_dtype
-    from selfspec.static_pass import BUCKETS
+    from selfspec.target.common import BUCKETS
 
     if args.max_batch:
         return args.max_batch

@@ -29,8 +29,8 @@ from selfspec.errors import SelfspecError
 from selfspec.memory import counted_bytes, model_dtype, parse_bytes, predict_target, storages
 from selfspec.options import (OneLineParser, add_decoding_options, add_drafter_options, add_heads_path_option,
                               add_model_options, load_target, non_negative_int, positive_int, run_command)
-from selfspec.packed_linear import is_packed, linear_modules
-from selfspec.target_pass import make_target_pass
+from selfspec.target.packed_linear import is_packed, linear_modules
+from selfspec.target import CompiledPass, make_target_pass
 from selfspec.zoo import load_model, resolve
 
 from . import report as report_mod
@@ -107,7 +107,7 @@ def precompile(methods: list[Method], tokenizer, prompts, args: argparse.Namespa
     per set of states the methods' drafters read, every tree-size bucket they may draft (plain: the root)."""
     selfspec = [m for m in methods if m.kind == "selfspec"]
     shared = selfspec[0].target_pass if selfspec else None
-    if not getattr(shared, "compiled", False):
+    if not isinstance(shared, CompiledPass):
         return
     longest = max(len(apply_chat_template(tokenizer, q.messages([]))) for q in prompts) + args.max_new_tokens
     nodes: dict[tuple, int] = {}

@@ -27,7 +27,7 @@ from selfspec.errors import SelfspecError
 from selfspec.memory import model_dtype
 from selfspec.options import (OneLineParser, add_heads_path_option, add_model_options, load_target, positive_int,
                               run_command)
-from selfspec.target_pass import make_target_pass
+from selfspec.target import make_target_pass
 
 from .environment import environment
 from .prompts import load_bench_prompts

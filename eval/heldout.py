@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from selfspec.checkpoint import check_heads_folder, load_heads
 from selfspec.dtypes import dtype_name
 from selfspec.memory import model_dtype
-from selfspec.packed_linear import dense_linears
+from selfspec.target.packed_linear import dense_linears
 from selfspec.options import OneLineParser, add_model_options, load_target, positive_int, run_command
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import TokenDataset, pad_batch

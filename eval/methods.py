@@ -33,7 +33,7 @@ from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.drafters.suffix import SuffixDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine, sync_device
 from selfspec.errors import SelfspecError
-from selfspec.packed_linear import dense_linears
+from selfspec.target.packed_linear import dense_linears
 
 from .runs import Run
 
@@ -85,7 +85,7 @@ class Method:
 def run_hf(model: nn.Module, ids: list[int], max_new: int, assistant: nn.Module | None = None,
            dense: dict | None = None) -> Run:
     """transformers greedy ``generate`` (assisted when ``assistant`` is given) on the dense weights (``dense``:
-    the modules kept from before the static pass packed them, see ``selfspec.packed_linear.dense_linears``)."""
+    the modules kept from before the static pass packed them, see ``selfspec.target.packed_linear.dense_linears``)."""
     x = torch.tensor([ids], device=model.device)
     kwargs = {"assistant_model": assistant} if assistant is not None else {}
     with dense_linears(model, dense):  # stock transformers: the weights as loaded, not as selfspec's static pass packs them

@@ -1,4 +1,4 @@
-"""What one batched target pass costs by its shape: ``BatchPass.verify_batch`` timed for (requests x nodes) shapes.
+"""What one batched target pass costs by its shape: ``RowPass.verify_batch`` timed for (requests x nodes) shapes.
 
     python -m selfspec_eval.pass_shapes --model smollm2-135m-instruct --shapes 16x1,12x1,9x8,16x8,16x16,5x4
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from selfspec.batch_pass import BatchPass
+from selfspec.target import RowPass
 from selfspec.options import (
     OneLineParser,
     add_model_options,
@@ -40,7 +40,7 @@ def shapes(text: str) -> list[tuple[int, int]]:
 def run(args: argparse.Namespace) -> int:
     model, _ = load_target(args)
     rows = max(r for r, _ in args.shapes)
-    target = BatchPass(model, rows, 1024, exact=args.exact)
+    target = RowPass(model, rows, 1024, exact=args.exact)
     gen = torch.Generator().manual_seed(0)
     slots = []
     for i in range(rows):

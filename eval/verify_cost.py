@@ -24,7 +24,7 @@ from selfspec.engine import sync_device
 from selfspec.errors import SelfspecError
 from selfspec.memory import model_dtype
 from selfspec.options import OneLineParser, add_model_options, load_target, positive_int, run_command
-from selfspec.target_pass import make_target_pass
+from selfspec.target import make_target_pass
 from selfspec.tree import chain
 
 

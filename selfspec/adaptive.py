@@ -1,10 +1,9 @@
 """Adaptive draft depth: draft as deep as pays on this model and this hardware, or not at all.
 
-The controller keeps running estimates of
-  * t1: the time of one plain step (a one-token target pass),
-  * the verify cost by tree size (``VerifyCost``): what a pass over n nodes costs, in plain passes,
-    measured for each size that has been verified. On a CPU it is far from linear (Qwen2.5-1.5B, fp32,
-    2 cores: 2 nodes 1.09x, 4 nodes 2.11x, 16 nodes 3.48x), so one slope would overrate mid-size trees;
+The controller reads, from its request's ``PassCost`` (``selfspec/target/cost.py``, the one cost model for a
+request alone and for a batch, by the shape passes run), t1, the time of a plain step, and what a one-row pass over n nodes costs in plain
+passes, measured for each size verified (on a CPU far from linear: Qwen2.5-1.5B, fp32, 2 cores: 2 nodes 1.09x,
+4 nodes 2.11x, 16 nodes 3.48x, so one slope would overrate mid-size trees), and keeps its own running estimates of
   * the drafting time per depth, and the nodes a depth-k draft holds (trees branch),
   * alpha_d: P(depth d accepted | depth d-1 accepted).
 For depth k the expected gain is E(k) = 1 + sum_{d<=k} prod_{j<=d} alpha_j tokens per pass, at cost
@@ -14,91 +13,18 @@ back-off that doubles while speculation keeps losing. The first steps are plain,
 
 ``DepthPolicy`` keeps one controller per draft *source*: a drafter made of several (prompt lookup
 in front of heads) has each judged on its own record, so weak heads switching themselves off do not
-also silence free lookup drafts that the target keeps accepting. The verify cost is the target's, the
-same whoever drafted, so the sources share one ``VerifyCost``.
+also silence free lookup drafts that the target keeps accepting. The pass cost is the target's, the
+same whoever drafted, so the sources share one ``PassCost``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .target.cost import PassCost, ema
 
-def ema(old: float | None, new: float, w: float = 0.2) -> float:
-    return new if old is None else (1 - w) * old + w * new
-
-
-@dataclass
-class VerifyCost:
-    """What a verification pass costs by tree size, in plain (one-token) passes, as measured here.
-
-    ``t1``, the plain-step time, is the lower median of the last ``window`` plain steps. On a shared
-    machine noise only ever slows a pass, and one slow step taken as the norm would make every draft
-    look cheap: speculation would then run on and never step plain again to correct it. The controller
-    waits for ``min_plain`` plain steps before its first draft.
-    ``ratios[n]`` is a running average of (time of an n-node pass) / t1 for each size n verified so
-    far (1 node costs 1.0). A size not measured yet is guessed optimistically, so that it gets tried
-    and measured: the nearest measured smaller size plus ``prior_slope`` per extra node (a pass never
-    costs less for more nodes), but no more than the nearest measured larger size.
-    """
-
-    prior_slope: float = 0.08
-    window: int = 8
-    min_plain: int = 2
-    buckets: tuple[int, ...] | None = None  # a static target pass pads n nodes to its bucket: n costs the bucket
-    plain: list[float] = field(default_factory=list)  # the last ``window`` plain-step times
-    ratios: dict[int, float] = field(default_factory=dict)
-
-    def _size(self, nodes: int) -> int:
-        """The size a pass over ``nodes`` nodes really runs at (its bucket, on a static pass)."""
-        if self.buckets is None or nodes > self.buckets[-1]:
-            return nodes
-        return next(b for b in self.buckets if b >= nodes)
-
-    @property
-    def t1(self) -> float | None:
-        """The plain-step time (None before any plain step)."""
-        return sorted(self.plain)[(len(self.plain) - 1) // 2] if self.plain else None
-
-    @property
-    def ready(self) -> bool:
-        """Enough plain steps timed to judge drafts against."""
-        return len(self.plain) >= self.min_plain
-
-    def record_plain(self, seconds: float) -> None:
-        """A one-token target pass took ``seconds``."""
-        self.plain = (self.plain + [seconds])[-self.window:]
-
-    def record(self, nodes: int, seconds: float) -> None:
-        """A pass over ``nodes`` nodes (root included) took ``seconds``."""
-        if self.t1 and nodes > 1:
-            size = self._size(nodes)
-            self.ratios[size] = ema(self.ratios.get(size), seconds / self.t1)
-
-    def _measured(self, n: int) -> float | None:
-        return 1.0 if n <= 1 else self.ratios.get(self._size(n))
-
-    def slope(self, nodes: float) -> float:
-        """Extra cost per node guessed for an unmeasured size: ``prior_slope``, or past the largest size
-        measured the line from a plain step through it where that is flatter (where verification is flat,
-        as in bf16 on a CPU with native bf16 or on a GPU, 32- and 64-node trees then look cheap enough to try)."""
-        if not self.ratios or nodes < max(self.ratios):
-            return self.prior_slope
-        n = max(self.ratios)
-        return min(self.prior_slope, max(self.ratios[n] - 1.0, 0.0) / (n - 1))
-
-    def ratio(self, nodes: float) -> float:
-        """Predicted cost of a ``nodes``-node pass relative to a plain pass (a fractional size, an
-        average, lies between its two neighbours)."""
-        lo, hi = math.floor(nodes), math.ceil(nodes)
-        r_lo, r_hi = self._measured(lo), self._measured(hi)
-        if r_lo is not None and r_hi is not None:
-            return r_lo + (nodes - lo) * (r_hi - r_lo)
-        below = max(n for n in (1, *self.ratios) if n <= nodes)
-        guess = self._measured(below) + self.slope(nodes) * (nodes - below)
-        above = [n for n in self.ratios if n >= nodes]
-        return min(guess, self.ratios[min(above)]) if above else guess
+MIN_PLAIN = 2  # plain steps timed before the first draft is judged against them
 
 
 def tree_size_by_cost(path_probs: list[float], node_cost: Callable[[float], float]) -> int:
@@ -126,7 +52,7 @@ class AdaptiveDepth:
     prior_alpha: float = 0.6
     prior_weight: float = 2.0
     decay: float = 0.95
-    cost: VerifyCost = field(default_factory=VerifyCost)
+    cost: PassCost = field(default_factory=PassCost)  # the request's: what its one-row passes cost here
     draft_per_depth: float | None = None
     nodes_per_depth: float = 1.0  # before depth k was drafted, a depth-k draft is guessed to hold 1 + k * this
     nodes_at: dict[int, float] = field(default_factory=dict)  # depth -> nodes its drafts held (running average)
@@ -152,7 +78,7 @@ class AdaptiveDepth:
     @property
     def t1(self) -> float | None:
         """The plain-step time measured so far."""
-        return self.cost.t1
+        return self.cost.seconds(1, 1)
 
     def expected_nodes(self, k: int) -> float:
         """Nodes (root included) a depth-k draft is expected to hold."""
@@ -171,14 +97,14 @@ class AdaptiveDepth:
         t1 = self.t1 or 1.0
         if k == 0:
             return 1.0 / t1
-        cost = t1 * self.cost.ratio(self.expected_nodes(k)) + (self.draft_per_depth or 0.0) * k
+        cost = t1 * (self.cost.ratio(1, self.expected_nodes(k)) or 1.0) + (self.draft_per_depth or 0.0) * k
         return self.expected_tokens(k) / cost
 
     def choose(self) -> int:
         """Depth to draft next step; 0 means a plain step."""
         if not self.enabled or self.max_depth == 0:
             return self.max_depth
-        if not self.cost.ready:
+        if self.cost.passes(1, 1) < MIN_PLAIN:
             return 0
         best = max(range(1, self.max_depth + 1), key=self.expected_rate)
         if self.expected_rate(best) > self.expected_rate(0):
@@ -191,11 +117,7 @@ class AdaptiveDepth:
         self.backoff = min(self.backoff * 2, 64)
         return best
 
-    def record_plain(self, seconds: float) -> None:
-        """A one-token target pass took ``seconds``."""
-        self.cost.record_plain(seconds)
-
-    def record_speculative(self, depth: int, nodes: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def record_speculative(self, depth: int, nodes: int, accepted: int, draft_s: float) -> None:
         """A pass verified ``nodes`` nodes (root included) of a depth-``depth`` draft and kept ``accepted``."""
         while len(self.hits) < depth:
             self.hits.append(0.0)
@@ -209,17 +131,16 @@ class AdaptiveDepth:
         self.draft_per_depth = ema(self.draft_per_depth, draft_s / depth)
         self.nodes_per_depth = ema(self.nodes_per_depth, (nodes - 1) / depth)
         self.nodes_at[depth] = ema(self.nodes_at.get(depth), nodes)
-        self.cost.record(nodes, verify_s)
 
 
 @dataclass
 class DepthPolicy:
-    """One ``AdaptiveDepth`` per draft source, all sharing one ``VerifyCost`` (a plain step and an
-    n-node pass cost the same whoever drafted)."""
+    """One ``AdaptiveDepth`` per draft source, all reading one ``PassCost`` (a plain step and an n-node pass cost the
+    same whoever drafted)."""
 
     max_depth: int
     enabled: bool = True
-    cost: VerifyCost = field(default_factory=VerifyCost)
+    cost: PassCost = field(default_factory=PassCost)
     sources: dict[str, AdaptiveDepth] = field(default_factory=dict)
 
     def controller(self, source: str) -> AdaptiveDepth:
@@ -237,9 +158,9 @@ class DepthPolicy:
         ctrl = self.controller(source)
         return max((ctrl.expected_rate(k) for k in range(1, ctrl.max_depth + 1)), default=0.0)
 
-    def record_plain(self, seconds: float) -> None:
-        self.cost.record_plain(seconds)
+    def record_speculative(self, source: str, depth: int, nodes: int, accepted: int, draft_s: float) -> None:
+        self.controller(source).record_speculative(depth, nodes, accepted, draft_s)
 
-    def record_speculative(self, source: str, depth: int, nodes: int, accepted: int, draft_s: float,
-                           verify_s: float) -> None:
-        self.controller(source).record_speculative(depth, nodes, accepted, draft_s, verify_s)
+    def node_cost(self, nodes: float) -> float:
+        """What a one-row pass over ``nodes`` nodes costs in plain passes (1 before anything was measured)."""
+        return self.cost.ratio(1, nodes) or 1.0

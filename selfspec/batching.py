@@ -10,7 +10,7 @@
 A step: requests waiting for a row take one (prompts are cached in chunks, at most ``PREFILL_BUDGET`` tokens a
 step, so a long prompt holds the others up a chunk or two per step, not its whole prefill); every decoding request drafts
 (``Request.draft``, each with its drafter's own state), all trees are verified in **one** pass over the batch
-cache (``BatchPass.verify_batch``), then each request accepts, commits and checks its stop conditions on its own
+cache (``RowPass.verify_batch``), then each request accepts, commits and checks its stop conditions on its own
 (``Request.advance``). Requests that finish or were cancelled give their row back before the next step.
 
 How deep requests draft: a batch of one drafts as ``SpeculativeEngine`` does (its own adaptive policy; a batch of
@@ -31,14 +31,15 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .batch_pass import BatchPass
+from .target import RowPass
 from .budget import Budget
+from .target.cost import PassCost
 from .context import check_request, context_length
 from .engine import GenerationResult, SpeculativeEngine
 from .errors import SelfspecError
 from .prefix_cache import PrefixCache
 from .request import DecodeConfig, DecodeState, Request, sync_device
-from .static_pass import PREFILL_CHUNK
+from .target.common import PREFILL_CHUNK
 from .stats import GenerationStats
 from .tree import chain
 
@@ -79,7 +80,7 @@ class BatchEngine:
     model's own, at most ``DEFAULT_CONTEXT``); more wait for a row. ``exact``: every request's tokens are
     bit-identical to its plain decoding alone, whoever shares its batch, where this device's self-test allows.
     ``prefix_cache``: bytes of prompts' KV kept for later prompts that start the same way (``PrefixCache``; 0: none);
-    kept only where prompts are cached exactly (``BatchPass.exact_prefill``), so reuse never changes a token.
+    kept only where prompts are cached exactly (``RowPass.exact_prefill``), so reuse never changes a token.
     """
 
     def __init__(self, model: torch.nn.Module, drafter=None, tokenizer=None, max_batch: int = 8,
@@ -90,10 +91,10 @@ class BatchEngine:
             raise SelfspecError(f"a context of {context:,} positions per request (--max-context) exceeds the "
                                 f"{limit:,} the model reads (max_position_embeddings)")
         context = context or default_context(model.config)
-        self.target = BatchPass(model, max_batch, context, exact=exact, memory_bytes=memory_bytes)
+        self.target = RowPass(model, max_batch, context, exact=exact, memory_bytes=memory_bytes)
         self.engine = SpeculativeEngine(model, drafter, tokenizer, backend=self.target)
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
-        self.budget = Budget(self.target.buckets)
+        self.budget = Budget(PassCost(self.target.pass_shape))
         self.prefix = PrefixCache(prefix_cache) if prefix_cache and self.target.exact_prefill else None
         self.waiting: list[Request] = []
         self.joining: list[Joining] = []
@@ -159,7 +160,7 @@ class BatchEngine:
                                         rows[0].need_hidden)
         sync_device(self.target.device)
         seconds = time.perf_counter() - t0
-        self.budget.record(*self.target.last_shape, seconds)
+        self.budget.cost.record(*self.target.last_shape, seconds)
         self.last_step = StepStats(len(rows), sum(tree.size - 1 for tree in trees), draft_s, seconds)
         out = []
         for row, tree, ver in zip(rows, trees, vers):
@@ -185,7 +186,7 @@ class BatchEngine:
                     self.target.verify_batch([(slot, chain(0, [0] * (b - 1))) for slot in slots[:n]], ())
                     sync_device(self.target.device)
                     if rep:
-                        self.budget.record(*self.target.last_shape, time.perf_counter() - t0)
+                        self.budget.cost.record(*self.target.last_shape, time.perf_counter() - t0)
         finally:
             for slot in reversed(slots):
                 self.target.release(slot)
@@ -210,7 +211,7 @@ class BatchEngine:
             return [rows[0].draft()]
         chains = (self.drafter is not None and self.drafter.drafts_batches and all(row.cfg.adaptive for row in rows)
                   and all(row.drafter is self.drafter for row in rows))  # during a swap: each row drafts on its own
-        depth = self.budget.depth(rows, self.target.pass_shape, chains)
+        depth = self.budget.depth(rows, chains)
         if chains and depth:
             t0 = time.perf_counter()
             trees, catch_up_s = self.drafter.propose_chains([row.dstate for row in rows], [row.ctx for row in rows],
@@ -221,7 +222,7 @@ class BatchEngine:
             steady = (time.perf_counter() - t0 - catch_up_s) * (depth + 1) / depth
             share = steady / len(rows)
             return [row.drafted(tree, share) for row, tree in zip(rows, trees)]
-        cost = self.budget.node_cost(len(rows), self.target.pass_shape)
+        cost = self.budget.node_cost(len(rows))
         return [row.draft(depth if row.cfg.adaptive else row.max_depth, cost) for row in rows]
 
     def _leave(self) -> None:

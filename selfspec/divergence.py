@@ -54,9 +54,9 @@ import torch
 from torch import nn
 
 from .engine import DecodeConfig, eos_ids
-from .kv_cache import new_cache
+from .target.kv_cache import new_cache
 from .memory import model_dtype
-from .packed_linear import dense_linears
+from .target.packed_linear import dense_linears
 from .verify import forward_with_cache
 
 IDENTICAL, NEAR_TIE, REAL = "identical", "near-tie", "real"

@@ -27,7 +27,7 @@ import torch
 from .cpu import cpu_flags
 from .errors import SelfspecError
 from .disk_cache import cached, machine
-from .packed_linear import linear, pack_weight
+from .target.packed_linear import linear, pack_weight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names on the command line
 DTYPE_CHOICES = ("auto", *DTYPES)

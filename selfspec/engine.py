@@ -20,7 +20,7 @@ from .errors import SelfspecError
 from .request import (DecodeConfig, DecodeState, Request, accept, commit, draft, eos_ids, prefill,  # noqa: F401
                       sync_device)
 from .stats import GenerationStats
-from .target_pass import make_target_pass
+from .target import make_target_pass
 
 
 @dataclass
@@ -37,11 +37,11 @@ class SpeculativeEngine:
 
     ``backend`` runs the target: "eager" (its own modules over a growing cache), "static" (a preallocated
     cache, tree sizes bucketed), "compiled" (the static pass through ``torch.compile``) or "auto"; see
-    ``selfspec/target_pass.py``. A pass object made by ``make_target_pass`` may be given instead, to share
+    ``selfspec/target/``. A pass object made by ``make_target_pass`` may be given instead, to share
     its cache and compiled graphs between engines (one request at a time). Outputs are the same on every
     backend, up to the dtype's rounding; ``exact`` (the default) makes the static pass compute every row as a
     plain step does where the device's self-test allows, so that output is bit-identical to plain decoding in
-    any dtype (``selfspec/exact.py``; the stats' ``exact`` says whether a run was).
+    any dtype (``selfspec/target/exact.py``; the stats' ``exact`` says whether a run was).
     """
 
     def __init__(self, model: torch.nn.Module, drafter: Drafter | None = None, tokenizer=None,

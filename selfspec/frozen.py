@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from .errors import SelfspecError
-from .packed_linear import PackedLinear
+from .target.packed_linear import PackedLinear
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -67,7 +67,7 @@ def truncated_decoder(target: nn.Module, num_layers: int) -> nn.Module:
     """The target's base model cut to its first ``num_layers`` layers (+ final norm), sharing every module.
 
     The cut holds the target's own submodules (its first layers, embeddings, norm, rotary embedding), not
-    copies of their tensors, so whatever later happens to a shared module (``selfspec/packed_linear.py``
+    copies of their tensors, so whatever later happens to a shared module (``selfspec/target/packed_linear.py``
     packing its linears) happens to both."""
     decoder = target.get_decoder()
     config = config_with_layers(target.config, num_layers, attn_implementation=decoder.config._attn_implementation)

@@ -20,10 +20,16 @@ import torch
 from torch import nn
 
 from .errors import SelfspecError
-from .packed_linear import weight_numel
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def weight_numel(model: nn.Module) -> int:
+    """The model's parameter count, packed or not: a packed linear's weight and bias are buffers, not parameters,
+    and it counts them itself (``weight_numel()``, ``selfspec/target/packed_linear.py``)."""
+    packed = sum(m.weight_numel() for m in model.modules() if callable(getattr(m, "weight_numel", None)))
+    return sum(p.numel() for p in model.parameters()) + packed
 
 
 def parse_bytes(text: str | int) -> int:
@@ -73,7 +79,7 @@ def _tensors(obj, seen_objs: set[int]):
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
-    if t.is_mkldnn:  # an opaque packed weight (selfspec/packed_linear.py): no storage to ask, keyed by identity
+    if t.is_mkldnn:  # an opaque packed weight (selfspec/target/packed_linear.py): no storage to ask, keyed by identity
         return id(t), t.numel() * t.element_size()
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes()

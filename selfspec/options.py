@@ -107,7 +107,7 @@ def folders(text: str) -> list[str]:
 
 def target_passes(text: str) -> str:
     """``--target-pass`` of a command that times several side by side: names separated by commas."""
-    from .target_pass import BACKENDS
+    from .target import BACKENDS
 
     names = text.split(",")
     bad = [n for n in names if n not in ("auto", *BACKENDS)]
@@ -120,7 +120,7 @@ def add_model_options(p: argparse.ArgumentParser, several_passes: bool = False) 
     """--model, --dtype, --target-pass, --device, --threads: the target and how it runs (``several_passes``:
     --target-pass takes a comma-separated list)."""
     from .dtypes import DTYPE_CHOICES
-    from .target_pass import AUTO_BACKEND_HELP, BACKENDS
+    from .target import AUTO_BACKEND_HELP, BACKENDS
     from .zoo import DEFAULT_MODEL
 
     g = p.add_argument_group("model")

@@ -6,7 +6,7 @@ same way (the same question again, a chat's shared system prompt, the earlier tu
     cache.add(prompt, keys, values, hidden)       # after a prompt is cached: (layers, kv_heads, n, head_dim) each
 
 Exact by construction, not by luck: the batch engine keeps entries only where every prompt token is cached as its
-plain step computes it (``StaticPass.exact_prefill``: the row attention kernel, linears self-tested for the
+plain step computes it (``RowPass.exact_prefill``: the row attention kernel, linears self-tested for the
 prompt's row counts), so a token's K/V depend on the tokens before it and nothing else, and reused K/V are the bits
 a fresh prefill would write. A request with a reused prefix decodes the tokens it decodes without one.
 """

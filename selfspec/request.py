@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .adaptive import AdaptiveDepth, DepthPolicy, VerifyCost
+from .adaptive import AdaptiveDepth, DepthPolicy
+from .target.cost import PassCost
 from .context import check_request
 from .drafters.base import DraftContext, DraftRequest, Drafter
 from .dtypes import dtype_name
@@ -34,7 +35,7 @@ from .memory import counted_bytes, model_dtype
 from .sampling import SamplingConfig, greedy_tokens, logits_to_probs
 from .stats import GenerationStats
 from .stopping import StopTokens, truncate_at_stop
-from .target_pass import EagerPass
+from .target import EagerPass
 from .tree import DraftTree, chain
 from .verify import Verification
 
@@ -107,7 +108,7 @@ def draft(drafter: Drafter | None, dstate, ctx: DraftContext, depth: int, policy
     if drafter is None or depth == 0:
         return chain(root, []), dstate
     req = DraftRequest(depth, cfg.max_nodes, cfg.sampling, gen, depth_for=policy.choose, rate_for=policy.rate,
-                       node_cost=node_cost or (policy.cost.ratio if policy.enabled else None))
+                       node_cost=node_cost or (policy.node_cost if policy.enabled else None))
     tree, dstate = drafter.draft(dstate, ctx, req)
     return within_limits(drafter, tree, depth, cfg.max_nodes, root), dstate
 
@@ -164,8 +165,8 @@ class Request:
         self.gen = torch.Generator().manual_seed(cfg.seed if cfg.seed is not None else secrets.randbits(63))
         drafter = self.drafter
         self.need_hidden = drafter.state_layers if drafter is not None and drafter.needs_hidden_states else ()
-        self.policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive,
-                                  cost=VerifyCost(buckets=engine.target.buckets))
+        self.cost = PassCost(engine.target.pass_shape)  # its own passes, by the shape they ran (``PassCost``)
+        self.policy = DepthPolicy(min(cfg.max_depth, cfg.max_nodes - 1), enabled=cfg.adaptive, cost=self.cost)
         self.record = AdaptiveDepth(self.policy.max_depth)  # acceptance and drafting time over every source
         self.eos = eos_ids(engine.model, cfg)
         self.stops = StopTokens(engine.tokenizer, cfg.stop_strings)
@@ -239,11 +240,10 @@ class Request:
         stats.max_tree_nodes = max(stats.max_tree_nodes, tree.size)
         stats.draft_state_bytes = max(stats.draft_state_bytes, counted_bytes(self.dstate))
         stats.record_step(tree.max_depth, len(path), len(new), tree.source)
-        if tree.max_depth == 0:
-            self.policy.record_plain(verify_s)
-        else:
-            self.policy.record_speculative(tree.source, tree.max_depth, tree.size, len(path), self._draft_s, verify_s)
-            self.record.record_speculative(tree.max_depth, tree.size, len(path), self._draft_s, verify_s)
+        self.cost.record(*target.last_shape, verify_s)  # at the shape the pass ran (a batch's: its rows)
+        if tree.max_depth:
+            self.policy.record_speculative(tree.source, tree.max_depth, tree.size, len(path), self._draft_s)
+            self.record.record_speculative(tree.max_depth, tree.size, len(path), self._draft_s)
         self.generated += new
         self._last = (path, ver)
         return new

@@ -3,7 +3,15 @@ switches speculation off (with occasional probes) when they are not."""
 
 from __future__ import annotations
 
-from selfspec.adaptive import AdaptiveDepth, DepthPolicy, VerifyCost, tree_size_by_cost
+from selfspec.adaptive import AdaptiveDepth, DepthPolicy, tree_size_by_cost
+from selfspec.target.common import bucket_for
+from selfspec.target.cost import PassCost
+
+
+def step(ctrl, k: int, nodes: int, accepted: int, draft_s: float, seconds: float) -> None:
+    """A speculative step: the controller records the acceptance, the engine what the pass cost."""
+    ctrl.record_speculative(k, nodes, accepted, draft_s)
+    ctrl.cost.record(1, nodes, seconds)
 
 
 def _run(accept_prob: float, steps: int = 200, slope: float = 0.1, draft_cost: float = 0.05) -> list[int]:
@@ -13,11 +21,11 @@ def _run(accept_prob: float, steps: int = 200, slope: float = 0.1, draft_cost: f
         k = ctrl.choose()
         chosen.append(k)
         if k == 0:
-            ctrl.record_plain(1.0)
+            ctrl.cost.record(1, 1, 1.0)
             continue
         # deterministic acceptance: accept_prob of the way down, rounded
         accepted = min(k, int(accept_prob * 10)) if accept_prob > 0 else 0
-        ctrl.record_speculative(k, k + 1, accepted, draft_cost * k, 1.0 + slope * k)
+        step(ctrl, k, k + 1, accepted, draft_cost * k, 1.0 + slope * k)
     return chosen
 
 
@@ -28,20 +36,20 @@ def test_first_steps_are_plain_to_measure_cost() -> None:
 def test_one_slow_plain_step_does_not_make_drafts_look_cheap() -> None:
     """A hiccup on the first plain step (5x the true 1.0 s) must not set the yardstick: a tree that
     costs 3x a plain pass and gains 1.4 tokens loses, and the controller must find that out."""
-    cost = VerifyCost()
+    cost = PassCost()
     for seconds in (5.0, 1.0, 1.1):
-        cost.record_plain(seconds)
-    assert cost.t1 == 1.1  # lower median, not the mean (2.37) nor the first sample
+        cost.record(1, 1, seconds)
+    assert cost.seconds(1, 1) == 1.1  # lower median, not the mean (2.37) nor the first sample
     ctrl = AdaptiveDepth(max_depth=3)
-    ctrl.record_plain(5.0)
+    ctrl.cost.record(1, 1, 5.0)
     chosen = []
     for i in range(100):
         k = ctrl.choose()
         chosen.append(k)
         if k == 0:
-            ctrl.record_plain(1.0)
+            ctrl.cost.record(1, 1, 1.0)
         else:
-            ctrl.record_speculative(k, 16, 1 if i % 5 < 2 else 0, 0.0, 3.0)
+            step(ctrl, k, 16, 1 if i % 5 < 2 else 0, 0.0, 3.0)
     assert chosen[-30:].count(0) >= 25
 
 
@@ -63,7 +71,7 @@ def test_disabled_controller_always_drafts_max_depth() -> None:
 
 
 def test_expected_rate_matches_formula() -> None:
-    cost = VerifyCost(plain=[2.0], ratios={3: 2.0})
+    cost = PassCost(runs={(1, 1): [2.0], (1, 3): [4.0]})
     ctrl = AdaptiveDepth(max_depth=3, prior_weight=0.0, cost=cost, draft_per_depth=0.1, nodes_at={2: 3.0})
     ctrl.hits, ctrl.tries = [1.0, 1.0], [2.0, 2.0]  # alpha = 0.5 at depths 1 and 2
     # E(2) = 1 + 0.5 + 0.25; C(2) = t1 * ratio(3 nodes) + 0.1 * 2
@@ -71,22 +79,20 @@ def test_expected_rate_matches_formula() -> None:
     assert ctrl.expected_rate(0) == 0.5
 
 
-def test_verify_cost_uses_measured_sizes_and_guesses_the_others_optimistically() -> None:
-    cost = VerifyCost(prior_slope=0.1)
-    assert abs(cost.ratio(9) - 1.8) < 1e-12  # nothing measured: 1 + 0.1 * 8
-    cost.record(4, 3.0)  # no plain step timed yet: nothing to divide by
-    assert cost.ratios == {}
-    cost.record_plain(0.5)
-    assert cost.t1 == 0.5
-    cost.record(4, 1.0)  # 2x a plain pass
-    cost.record(5, 1.5)  # 3x
-    cost.record(16, 2.0)  # 4x
-    assert cost.ratio(1) == 1.0 and cost.ratio(4) == 2.0 and cost.ratio(16) == 4.0
-    assert abs(cost.ratio(4.5) - 2.5) < 1e-12  # an average between two measured sizes
-    assert abs(cost.ratio(2) - 1.1) < 1e-12  # unmeasured: 1 node's cost + 0.1 per node, to be tried
-    assert abs(cost.ratio(8) - 3.3) < 1e-12  # 5 nodes' cost + 0.1 * 3
-    assert cost.ratio(15.9) == 4.0  # the guess is capped by the next measured size
-    assert abs(cost.ratio(20) - 4.4) < 1e-12  # past the largest measured size
+def test_pass_cost_uses_measured_sizes_and_puts_the_others_on_the_curve() -> None:
+    cost = PassCost(prior_slope=0.1)
+    assert cost.ratio(1, 9) is None  # nothing measured: nothing to divide by (the controller steps plain first)
+    cost.record(1, 1, 0.5)
+    assert cost.seconds(1, 1) == 0.5
+    assert abs(cost.ratio(1, 9) - 1.8) < 1e-12  # one size on the curve: 1 + 0.1 per extra node, to be tried
+    cost.record(1, 4, 1.0)  # 2x a plain pass
+    cost.record(1, 5, 1.5)  # 3x
+    cost.record(1, 16, 2.0)  # 4x
+    assert cost.ratio(1, 1) == 1.0 and cost.ratio(1, 4) == 2.0 and cost.ratio(1, 16) == 4.0
+    assert abs(cost.ratio(1, 4.5) - 2.5) < 1e-12  # an average between two measured sizes
+    assert abs(cost.ratio(1, 2) - 1.1) < 1e-12  # unmeasured: 1 node's cost + 0.1 per node, to be tried
+    assert abs(cost.ratio(1, 8) - 1.5 * (1 + 0.1 * 3 / 5) / 0.5) < 1e-12  # 5 nodes + the prior (below the line)
+    assert abs(cost.ratio(1, 20) - (2.0 + 4 * 0.5 / 11) / 0.5) < 1e-12  # past the largest: the last two's slope
 
 
 def test_mid_size_trees_that_cost_more_than_a_slope_predicts_are_avoided() -> None:
@@ -99,11 +105,11 @@ def test_mid_size_trees_that_cost_more_than_a_slope_predicts_are_avoided() -> No
     for i in range(200):
         k = ctrl.choose()
         if k == 0:
-            ctrl.record_plain(1.0)
+            ctrl.cost.record(1, 1, 1.0)
             continue
         accepted = min(k, 2 if i % 5 < 4 else 1)
-        ctrl.record_speculative(k, k + 1, accepted, 0.0, costs[k + 1])
-    assert ctrl.cost.ratios[2] == 1.05
+        step(ctrl, k, k + 1, accepted, 0.0, costs[k + 1])
+    assert ctrl.cost.ratio(1, 2) == 1.05
     assert [ctrl.choose() for _ in range(20)] == [1] * 20
 
 
@@ -111,34 +117,36 @@ def test_policy_judges_each_source_on_its_own_record() -> None:
     """Drafts from a source that always misses switch that source off, not another that keeps hitting."""
     policy = DepthPolicy(max_depth=4)
     assert policy.choose("heads") == 0  # first steps plain, to measure t1
-    policy.record_plain(1.0)
-    policy.record_plain(1.0)
+    policy.cost.record(1, 1, 1.0)
+    policy.cost.record(1, 1, 1.0)
     for _ in range(60):
         for source, accepted in (("heads", 0), ("lookup", None)):
             k = policy.choose(source)
             if k:
-                policy.record_speculative(source, k, k + 1, k if accepted is None else accepted, 0.0, 1.0 + 0.1 * k)
+                policy.record_speculative(source, k, k + 1, k if accepted is None else accepted, 0.0)
+                policy.cost.record(1, k + 1, 1.0 + 0.1 * k)
             else:
-                policy.record_plain(1.0)
+                policy.cost.record(1, 1, 1.0)
     assert [policy.choose("heads") for _ in range(10)].count(0) >= 8
     assert policy.choose("lookup") == 4
 
 
 def test_a_new_source_starts_from_the_measured_plain_steps() -> None:
     policy = DepthPolicy(max_depth=3)
-    policy.record_plain(2.0)
-    policy.record_plain(2.0)
+    policy.cost.record(1, 1, 2.0)
+    policy.cost.record(1, 1, 2.0)
     assert policy.controller("new").t1 == 2.0 and policy.choose("new") > 0  # no extra plain step to measure
 
 
 def test_rate_ranks_sources_by_their_record_without_changing_it() -> None:
     policy = DepthPolicy(max_depth=4)
-    policy.record_plain(1.0)
-    policy.record_plain(1.0)
+    policy.cost.record(1, 1, 1.0)
+    policy.cost.record(1, 1, 1.0)
     for _ in range(10):
         for depth, seconds in ((4, 2.0), (1, 1.1)):  # every depth it could choose has a record
-            policy.record_speculative("good", depth, depth + 1, depth, 0.0, seconds)
-            policy.record_speculative("bad", depth, depth + 1, 0, 0.0, seconds)
+            policy.record_speculative("good", depth, depth + 1, depth, 0.0)
+            policy.record_speculative("bad", depth, depth + 1, 0, 0.0)
+            policy.cost.record(1, depth + 1, seconds)
     before = (policy.controller("bad").plain_left, policy.controller("bad").backoff)
     assert policy.rate("good") > 1.0 > policy.rate("bad")  # 1.0: plain decoding's tokens/s here
     assert (policy.controller("bad").plain_left, policy.controller("bad").backoff) == before
@@ -153,12 +161,11 @@ def test_tree_size_by_cost_keeps_nodes_while_they_pay() -> None:
     assert tree_size_by_cost([], lambda n: 1.0) == 0
 
 
-def test_verify_cost_of_a_bucketed_pass_is_its_buckets() -> None:
-    """A static pass pads 5..16 nodes to 16: one measurement prices the whole bucket; past the largest
-    size measured the guess follows the measured (flat) line when it is flatter than the prior."""
-    cost = VerifyCost(prior_slope=0.1, buckets=(1, 4, 16, 64))
-    cost.record_plain(1.0)
-    cost.record(9, 1.2)
-    assert cost.ratios == {16: 1.2}
-    assert cost.ratio(5) == cost.ratio(16) == 1.2
-    assert abs(cost.ratio(64) - (1.2 + 48 * 0.2 / 15)) < 1e-12  # slope 0.2 / 15 per node, not 0.1
+def test_the_cost_of_a_bucketed_pass_is_its_buckets() -> None:
+    """A pass that pads 5..16 nodes to 16: one measurement prices the whole bucket; past the largest size measured
+    the guess follows the measured (flat) line."""
+    cost = PassCost(lambda rows, nodes: (rows, bucket_for(nodes, (1, 4, 16, 64))), prior_slope=0.1)
+    cost.record(1, 1, 1.0)
+    cost.record(1, 16, 1.2)  # what the pass ran: 9 nodes padded to 16
+    assert cost.ratio(1, 5) == cost.ratio(1, 9) == cost.ratio(1, 16) == 1.2
+    assert abs(cost.ratio(1, 64) - (1.2 + 48 * 0.2 / 15)) < 1e-12  # slope 0.2 / 15 per node, not 0.1

@@ -7,9 +7,9 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from conftest import hf_greedy, tiny_model
-from selfspec.attention import NAME, grouped_sdpa, selfspec_attention, static_attention
+from selfspec.target.attention import NAME, grouped_sdpa, selfspec_attention, static_attention
 from selfspec.engine import DecodeConfig, SpeculativeEngine
-from selfspec.static_pass import ancestor_block, static_mask
+from selfspec.target.common import ancestor_block, static_mask
 
 
 class _Heads(torch.nn.Module):

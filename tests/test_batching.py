@@ -16,10 +16,12 @@ import torch
 
 from conftest import (ALPHA, SAMPLING, SAMPLING_PROMPT, SAMPLING_VOCAB, chi_square_pvalue, exact_joint, perturb,
                       tiny_model)
-from selfspec import row_attention
-from selfspec.batch_pass import BatchPass
+from selfspec.target import row_attention
+from selfspec.target import RowPass
 from selfspec.batching import BatchEngine
-from selfspec.budget import Budget, PassCost
+from selfspec.budget import Budget
+from selfspec.target.common import bucket_for
+from selfspec.target.cost import PassCost
 from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.lookup_first import LookupFirstDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
@@ -65,7 +67,7 @@ def requests(seed: int) -> list[tuple[list[int], DecodeConfig]]:
 
 
 def solo(model, drafter, prompt, cfg, exact=True) -> list[int]:
-    return SpeculativeEngine(model, drafter, backend=BatchPass(model, 1, 512, exact=exact)).generate(prompt, cfg).tokens
+    return SpeculativeEngine(model, drafter, backend=RowPass(model, 1, 512, exact=exact)).generate(prompt, cfg).tokens
 
 
 @pytest.mark.parametrize("drafter", ["none", "lookup", "draft-model", "eagle", "medusa"])
@@ -164,7 +166,7 @@ def test_rows_are_aligned_in_a_batched_pass(exact: bool) -> None:
     """Each row's logits in one pass over rows of different lengths and trees equal its logits in a pass of its
     own (bit for bit on the exact pass), also for a row moved to another row of the cache by a release."""
     model = tiny_model(5, vocab=VOCAB)
-    target = BatchPass(model, 4, 256, exact=exact)
+    target = RowPass(model, 4, 256, exact=exact)
     prompts = [ids(i, n) for i, n in enumerate((9, 31, 2, 17))]
     slots = []
     for p in prompts:
@@ -175,7 +177,7 @@ def test_rows_are_aligned_in_a_batched_pass(exact: bool) -> None:
              chain(prompts[2][-1], []), chain(prompts[3][-1], [7])]
 
     def alone(i):
-        own = BatchPass(model, 1, 256, exact=exact)
+        own = RowPass(model, 1, 256, exact=exact)
         slot = own.new_cache(len(prompts[i]) + 8)
         own.prefill(slot, torch.tensor(prompts[i][:-1]))
         return own.verify(slot, trees[i], slot.length).logits
@@ -202,7 +204,7 @@ def test_rows_of_one_key_width_are_made_adjacent_and_stay_aligned(monkeypatch) -
     request still joining), and each row's logits still equal its pass alone."""
     monkeypatch.setattr(row_attention, "kernel", lambda: None)
     model = tiny_model(5, vocab=VOCAB)
-    target = BatchPass(model, 5, 256, exact=True)
+    target = RowPass(model, 5, 256, exact=True)
     lengths = (41, 6, 71, 11, 100)  # key widths 64, 32, 96, 32 (not adjacent), then one left out of the first pass
     prompts = [ids(20 + i, n) for i, n in enumerate(lengths)]
     slots = []
@@ -214,7 +216,7 @@ def test_rows_of_one_key_width_are_made_adjacent_and_stay_aligned(monkeypatch) -
              chain(prompts[2][-1], []), chain(prompts[3][-1], [7]), chain(prompts[4][-1], [3])]
 
     def alone(i):
-        own = BatchPass(model, 1, 256, exact=True)
+        own = RowPass(model, 1, 256, exact=True)
         slot = own.new_cache(len(prompts[i]) + 8)
         own.prefill(slot, torch.tensor(prompts[i][:-1]))
         return own.verify(slot, trees[i], slot.length).logits
@@ -306,37 +308,61 @@ class Row:
         self.record = AdaptiveDepth(8)
         for _ in range(40):  # accepted to depth 8 with probability alpha per depth
             accepted = next((d for d in range(8) if torch.rand(1).item() >= alpha), 8)  # the path stops at a miss
-            self.record.record_speculative(8, 9, accepted, 0.0, 1.0)
+            self.record.record_speculative(8, 9, accepted, 0.0)
+
+
+def buckets16(rows: int, nodes: int) -> tuple[int, int]:
+    """A pass shape that pads trees to 1, 2, 4, 8 or 16 nodes."""
+    return rows, bucket_for(nodes, (1, 2, 4, 8, 16))
+
+
+def measured(times: dict[tuple[int, int], float]) -> PassCost:
+    cost = PassCost(buckets16)
+    for (rows, nodes), seconds in times.items():
+        cost.record(rows, nodes, seconds)
+    return cost
 
 
 def test_the_budget_drafts_only_where_the_measured_cost_pays() -> None:
     torch.manual_seed(0)
     rows = [Row(0.7) for _ in range(8)]
-    flat = Budget((1, 2, 4, 8, 16), PassCost(times={(8, n): 1.0 + 0.001 * n for n in (1, 2, 4, 8, 16)}))
+    flat = Budget(measured({(8, n): 1.0 + 0.001 * n for n in (1, 2, 4, 8, 16)}))
     assert flat.depth(rows) >= 4  # extra nodes almost free: draft deep
-    linear = Budget((1, 2, 4, 8, 16), PassCost(times={(8, n): float(n) for n in (1, 2, 4, 8, 16)}))
+    linear = Budget(measured({(8, n): float(n) for n in (1, 2, 4, 8, 16)}))
     assert linear.depth(rows) == 0  # every node costs a whole pass: plain batched decoding
-    unmeasured = Budget((1, 2, 4, 8, 16))
+    unmeasured = Budget(PassCost(buckets16))
     assert unmeasured.depth(rows) == 0  # nothing measured: a plain pass first
-    unmeasured.record(8, 1, 1.0)
+    unmeasured.cost.record(8, 1, 1.0)
     assert unmeasured.depth(rows) > 0  # then larger passes are guessed cheap, tried, and measured
-    unmeasured.record(8, 2, 2.0)
-    unmeasured.record(1, 32, 4.0)
+    unmeasured.cost.record(8, 2, 2.0)
+    unmeasured.cost.record(1, 32, 4.0)
     assert unmeasured.depth(rows) == 0  # measured: extra tokens cost as much as the pass itself
-    compute_bound = Budget((1, 2, 4, 8, 16), PassCost(curve={1: 1.0, 8: 1.1, 16: 2.2, 32: 4.4, 64: 8.8}))
+    compute_bound = Budget(PassCost(buckets16, curve={1: 1.0, 8: 1.1, 16: 2.2, 32: 4.4, 64: 8.8}))
     assert compute_bound.depth(rows[:1]) > 0  # alone: extra tokens nearly free (1 -> 8 tokens: +10%)
-    compute_bound.record(8, 1, 1.1)
+    compute_bound.cost.record(8, 1, 1.1)
     assert compute_bound.depth(rows) == 0  # 8 rows: the same curve says every extra token costs its share
 
 
 def test_pass_cost_estimates_a_shape_from_its_plain_pass_and_the_token_curve() -> None:
-    cost = PassCost(times={(4, 1): 1.5}, curve={4: 1.0, 8: 1.2, 16: 2.0})
+    cost = PassCost(runs={(4, 1): [1.5]}, curve={4: 1.0, 8: 1.2, 16: 2.0})
     assert cost.seconds(4, 1) == 1.5
     assert cost.seconds(4, 2) == pytest.approx(1.5 + 0.2)  # 4 rows' own plain pass + 4 -> 8 tokens on the curve
-    assert cost.seconds(4, 3) == pytest.approx(1.5 + 0.6)  # 12 tokens: between 8 and 16
+    assert cost.seconds(4, 3) == pytest.approx(1.5 + 0.2 + 1.2 * 0.08 * 4 / 8)  # 12: 8 + the prior slope (< the line)
+    cost.prior_slope = 1.0
+    assert cost.seconds(4, 3) == pytest.approx(1.5 + 0.6)  # with a steep prior: the line between 8 and 16
     assert cost.along(32) == pytest.approx(2.0 + 16 * 0.1)  # past the largest: the slope of the last two
     assert cost.seconds(2, 1) == pytest.approx(0.5)  # no plain pass of 2 rows: the curve, below its smallest size
     assert PassCost().seconds(4, 1) is None
+
+
+def test_pass_cost_is_asked_by_rows_and_nodes_and_kept_by_the_shape_run() -> None:
+    """One bucket function: a 5-node tree is priced as the 8-node pass it runs as, and a request alone reads the
+    same measurements a batch of one would (a pass of one row)."""
+    cost = PassCost(buckets16)
+    cost.record(1, 1, 1.0)
+    cost.record(1, 8, 1.6)
+    assert cost.seconds(1, 5) == cost.seconds(1, 8) == 1.6 and cost.passes(1, 6) == 1
+    assert cost.ratio(1, 5) == pytest.approx(1.6)
 
 
 def test_calibration_measures_every_pass_size_the_budget_needs() -> None:
@@ -355,6 +381,6 @@ def test_requests_that_cannot_fit_are_refused_in_one_line() -> None:
     with pytest.raises(SelfspecError, match="positions per request"):
         batch.add(ids(0, 60), DecodeConfig(max_new_tokens=10))
     with pytest.raises(SelfspecError, match="lower --max-batch"):
-        BatchPass(model, 64, 4096, memory_bytes=2**20)
+        RowPass(model, 64, 4096, memory_bytes=2**20)
     with pytest.raises(SelfspecError, match="exceeds the 1,024 the model reads"):
         BatchEngine(model, None, context=2048)

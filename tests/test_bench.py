@@ -11,10 +11,10 @@ from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads, make_drafter
-from selfspec.kv_cache import new_cache
+from selfspec.target.kv_cache import new_cache
 from selfspec.memory import (MemoryEstimate, counted_added, counted_bytes, kv_bytes_per_token, max_context,
                              parse_bytes, predict_added, predict_target, storages)
-from selfspec.target_pass import make_target_pass
+from selfspec.target import make_target_pass
 from selfspec.verify import forward_with_cache
 from selfspec_eval.budgets import budget_table
 from selfspec_eval.metrics import complete_prompts, pooled_acceptance, summarize

@@ -12,7 +12,7 @@ import torch
 from conftest import HEADS_HYPER, OracleTreeDrafter, hf_greedy, perturb, prompt_for, tiny_model
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.heads import init_heads, make_drafter
-from selfspec.target_pass import make_target_pass, resolve_backend
+from selfspec.target import make_target_pass, resolve_backend
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import selfspec.cpu as cpu
-from selfspec import exact, row_attention
+from selfspec.target import exact, row_attention
 from selfspec.disk_cache import cached
 
 

@@ -14,7 +14,7 @@ from selfspec.errors import SelfspecError
 from selfspec.heads import init_heads, make_drafter
 from selfspec.heads.eagle3 import default_aux_layers
 from selfspec.sampling import SamplingConfig
-from selfspec.target_pass import make_target_pass
+from selfspec.target import make_target_pass
 from selfspec.tree import chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -168,7 +168,7 @@ def test_draft_model_with_reduced_vocabulary_is_lossless(seed: int) -> None:
 
 def test_reduced_vocabulary_drafts_the_subset_argmax() -> None:
     """Pruned logits equal the full model's logits on the kept rows, -inf elsewhere."""
-    from selfspec.kv_cache import new_cache
+    from selfspec.target.kv_cache import new_cache
 
     draft = tiny_model(5, layers=1)
     rows = torch.tensor([3, 7, 11, 60])

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from conftest import OracleTreeDrafter, perturb, prompt_for, tiny_model
-from selfspec import exact, row_attention
+from selfspec.target import exact, row_attention
 from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.heads import init_heads, make_drafter
-from selfspec.packed_linear import PackedLinear, RowBoundLinear, unpack_linears
-from selfspec.target_pass import make_target_pass
+from selfspec.target.packed_linear import PackedLinear, RowBoundLinear, unpack_linears
+from selfspec.target import make_target_pass
 from selfspec.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -290,13 +290,13 @@ class OffGrid(nn.Module):
 
 def off_grid_batch(monkeypatch, tmp_path, broken: bool) -> tuple[list[list[int]], list[list[int]], int]:
     """(plain, batched, off-grid forwards): 8 requests 3 at a time through a model with an ``OffGrid`` linear."""
-    from selfspec import batch_pass
+    from selfspec.target import rows as row_pass
     from selfspec.batching import BatchEngine
 
     monkeypatch.setattr(exact, "_ROWS", {})
     monkeypatch.setenv("SELFSPEC_HOME", str(tmp_path))
     if broken:  # the negative control: rows no longer padded onto the grid
-        monkeypatch.setattr(batch_pass, "grid_rows", lambda rows, nodes: rows)
+        monkeypatch.setattr(row_pass, "grid_rows", lambda rows, nodes: rows)
     model = bf16_model(5, "llama")
     odd = model.model.layers[1].mlp.down_proj = OffGrid(model.model.layers[1].mlp.down_proj)
     prompts = [prompt_for(40 + i, n, VOCAB) for i, n in enumerate((7, 23, 40, 12, 30, 50, 9, 3))]

@@ -15,7 +15,7 @@ from selfspec.engine import DecodeConfig, SpeculativeEngine, prefill
 from selfspec.heads import init_heads, make_drafter
 from selfspec.frozen import truncated_decoder
 from selfspec.heads.medusa import rank_tree
-from selfspec.packed_linear import is_packed, pack_linears
+from selfspec.target.packed_linear import is_packed, pack_linears
 from selfspec.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,10 +12,11 @@ from selfspec.divergence import float32_copy
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.frozen import lm_head, lm_head_rows
 from selfspec.memory import predict_target
-import selfspec.packed_linear as packed_linear_module
-from selfspec.packed_linear import (PackedLinear, dense_linears, is_packed, linear_modules, pack_linears,
-                                    unpack_linears, weight_numel)
-from selfspec.target_pass import make_target_pass
+import selfspec.target.packed_linear as packed_linear_module
+from selfspec.memory import weight_numel
+from selfspec.target.packed_linear import (PackedLinear, dense_linears, is_packed, linear_modules, pack_linears,
+                                           unpack_linears)
+from selfspec.target import make_target_pass
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import perturb, tiny_model
-from selfspec import row_attention
-from selfspec.batch_pass import BatchPass
+from selfspec.target import row_attention
+from selfspec.target import RowPass
 from selfspec.batching import BatchEngine
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig
-from selfspec.exact import ROW_SIZES, prefill_parts
+from selfspec.target.exact import ROW_SIZES, prefill_parts
 from selfspec.heads import init_heads, make_drafter
 from selfspec.prefix_cache import MIN_REUSE, PrefixCache
 from selfspec.tree import chain
@@ -32,7 +32,7 @@ def ids(seed: int, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def cached(target: BatchPass, prompt: torch.Tensor, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def cached(target: RowPass, prompt: torch.Tensor, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The K of every layer and the last layer's states after caching ``prompt`` in ``chunks``."""
     slot = target.new_cache(prompt.numel() + 8)
     done, states = 0, []
@@ -60,7 +60,7 @@ def test_prefill_forwards_have_row_counts_the_self_test_checked() -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_prompts_cache_is_the_plain_steps_cache_however_it_is_chunked(arch: str, dtype: torch.dtype) -> None:
     model = tiny_model(5, vocab=VOCAB, arch=arch).to(dtype)
-    target = BatchPass(model, 2, 512)
+    target = RowPass(model, 2, 512)
     assert target.exact and target.exact_prefill and target.prefill_rows[1] >= 8
     prompt = torch.tensor(ids(1, 150))
     whole, states = cached(target, prompt, [150])

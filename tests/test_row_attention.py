@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec import row_attention
-from selfspec.row_attention import RowKeys, row_keys
+from selfspec.target import row_attention
+from selfspec.target.row_attention import RowKeys, row_keys
 
 pytestmark = pytest.mark.skipif(row_attention.kernel() is None, reason="the row attention kernel cannot be built here")
 
@@ -90,7 +90,7 @@ class RowVariantKernel:
 
 
 def test_the_self_test_catches_a_row_variant_kernel_and_the_exact_pass_falls_back(monkeypatch, tmp_path) -> None:
-    from selfspec import exact
+    from selfspec.target import exact
 
     real = row_attention.kernel()
     row_attention.keeps_rows.cache_clear()

@@ -1,4 +1,4 @@
-"""The static-cache and compiled target passes give the eager pass's output: the core invariant on every path.
+"""The row (static) and compiled target passes give the eager pass's output: the core invariant on every path.
 
 Every test runs on each backend. The compiled backend builds one graph per tree-size bucket per model,
 so its tests share one model and one pass object (``shared_pass``) to compile each bucket once.
@@ -15,8 +15,8 @@ from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.errors import SelfspecError
 from selfspec.stats import GenerationStats
-from selfspec.static_pass import StaticPass, ancestor_block, bucket_for
-from selfspec.target_pass import make_target_pass
+from selfspec.target import RowPass, make_target_pass
+from selfspec.target.common import ancestor_block, bucket_for
 
 BACKENDS = ["eager", "static", "compiled"]
 MODEL_SEED = 21
@@ -93,7 +93,7 @@ def test_max_new_tokens_edge(model, passes, backend: str, max_new: int) -> None:
 
 
 def test_static_cache_is_reused_and_grown_across_requests(model) -> None:
-    target = StaticPass(model, buckets=(1, 4, 16))
+    target = RowPass(model, buckets=(1, 4, 16))  # one row that grows: the static backend
     engine = SpeculativeEngine(model, PromptLookupDrafter(), backend=target)
     short, long = _prompt(0, 6), _prompt(1, 20)
     first = engine.generate(short, DecodeConfig(max_new_tokens=10)).tokens
@@ -117,7 +117,6 @@ def test_a_newer_request_invalidates_an_older_ones_cache(model) -> None:
 def test_precompile_builds_the_graphs_a_request_then_uses(model, passes) -> None:
     """The bench's warm-up: after ``precompile`` a request of that size and tree budget compiles nothing new."""
     compiled = passes["compiled"]
-    assert passes["static"].precompile(64, 12) == 0.0  # nothing to build uncompiled
     assert compiled.precompile(64, 12, ()) > 0
     built = set(compiled.compiled_shapes)
     assert {b for b, _ in built} >= {1, 4, 8, 16}
@@ -129,7 +128,7 @@ def test_precompile_builds_the_graphs_a_request_then_uses(model, passes) -> None
 
 def test_buckets_and_the_padded_mask() -> None:
     assert [bucket_for(n, (1, 4, 16)) for n in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
-    with pytest.raises(SelfspecError, match="largest static bucket"):
+    with pytest.raises(SelfspecError, match="largest bucket"):
         bucket_for(17, (1, 4, 16))
     block = ancestor_block([-1, 0, 0, 1], 6)  # root, two children, a grandchild; 2 padding rows
     assert block[3].tolist() == [True, True, False, True, False, False]

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from selfspec.checkpoint import load_heads, read_heads_json, save_heads
 from selfspec.options import OneLineParser, positive_int, run_command
-from selfspec.packed_linear import dense_linears
+from selfspec.target.packed_linear import dense_linears
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import TokenDataset, pad_batch
 from selfspec.train.fold_norms import calibrate, fold_norms

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import SelfspecError
 from ..frozen import placement, text_config
-from ..packed_linear import weight_numel
+from ..memory import weight_numel
 
 COMPARED = ("architecture", "hidden_size", "num_hidden_layers", "vocab_size")
 
@@ -54,7 +54,7 @@ def base_identity(model: nn.Module, tokenizer=None, base_name: str | None = None
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "vocab_size": model.get_output_embeddings().out_features,
-        "parameters": weight_numel(model),  # packed linears included (selfspec/packed_linear.py)
+        "parameters": weight_numel(model),  # packed linears included (selfspec/target/packed_linear.py)
         "dtype": str(placement(model)[1]).removeprefix("torch."),
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
         "embedding_sha256": embedding_fingerprint(model),

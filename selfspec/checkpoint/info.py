@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..heads.config import config_from_dict
-from ..packed_linear import weight_numel
+from ..memory import weight_numel
 from .format import open_weights, read_heads_json, weight_files
 from .identity import describe
 

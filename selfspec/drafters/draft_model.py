@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SelfspecError
-from ..kv_cache import new_cache, truncate
+from ..target.kv_cache import new_cache, truncate
 from ..tree import DraftTree, chain
 from ..sequence import common_prefix
 from ..verify import cache_kwarg, forward_with_cache

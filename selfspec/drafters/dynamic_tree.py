@@ -71,7 +71,7 @@ class Candidates:
 
     def depth_first(self, nodes: list[int]) -> list[int]:
         """``nodes`` (ancestor-closed) depth first, each node's children best score first: the likeliest path comes
-        right after the root, where an exact target pass reads it in place (``selfspec/exact.py``)."""
+        right after the root, where an exact target pass reads it in place (``selfspec/target/exact.py``)."""
         children: dict[int, list[int]] = {}
         for n in nodes:
             children.setdefault(self.parents[n], []).append(n)

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..attention import static_attention
+from ..target.attention import static_attention
 from ..drafters.base import DraftContext, DraftRequest, Drafter
 from ..drafters.dynamic_tree import Candidates, grow_tree, select_tree
 from ..errors import SelfspecError
-from ..kv_cache import RowCache, truncate
+from ..target.kv_cache import RowCache, truncate
 from ..memory import kv_bytes_per_token, model_dtype
-from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_numel
+from ..memory import weight_numel
+from ..target.packed_linear import linear, pack_linears, pack_weight, packable
 from ..tree import DraftTree, additive_mask, chain
 from ..frozen import lm_head, lm_head_rows
 from .eagle import EagleHead

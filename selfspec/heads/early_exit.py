@@ -38,9 +38,10 @@ from ..drafters.chain import draft_chain
 from ..drafters.dynamic_tree import grow_tree, select_tree
 from ..drafters.draft_model import DraftModelState
 from ..errors import SelfspecError
-from ..kv_cache import truncate
+from ..target.kv_cache import truncate
 from ..memory import kv_bytes_per_token, model_dtype
-from ..packed_linear import linear, pack_linears, pack_weight, packable, weight_numel
+from ..memory import weight_numel
+from ..target.packed_linear import linear, pack_linears, pack_weight, packable
 from ..sequence import common_prefix
 from ..tree import DraftTree, additive_mask, chain
 from ..verify import cache_kwarg

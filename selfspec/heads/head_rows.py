@@ -2,7 +2,7 @@
 
 A batched draft (``EagleDrafter.propose_chains``) runs the head over every sequence at once, over one ``RowCache``
 with a row per sequence that has drafted in a batch. The rows claimed are always 0..n-1 (a sequence that ends hands
-its row to the last one, whose pairs are copied over once, as ``BatchPass`` does with the target's rows), and every
+its row to the last one, whose pairs are copied over once, as ``RowPass`` does with the target's rows), and every
 row has room for its pairs plus a step's new and drafted ones (slots grown in chunks of ``SLOT_CHUNK``, rows
 doubled, copying once). A step writes only the pairs it feeds and drafts, so it costs the same at 256 and 2,048
 pairs of context but for attention itself; before, each step copied every row's whole cache into a fresh one and
@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from ..kv_cache import RowCache
+from ..target.kv_cache import RowCache
 
 SLOT_CHUNK = 256  # slots are added this many at a time (a copy of the cache each time)
 

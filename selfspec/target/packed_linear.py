@@ -179,7 +179,7 @@ class PackedLinear(nn.Module):
 def within_rows(matmul, x: torch.Tensor, out_features: int, max_rows: int = 0, min_rows: int = 1) -> torch.Tensor:
     """``matmul`` over ``x``'s rows (every dimension but the last) on at most ``max_rows`` rows per call (0: no
     limit) and at least ``min_rows`` (zero rows added, their outputs dropped): the row counts a kernel was
-    self-tested to give each row the bits of a plain step (``selfspec/exact.py``)."""
+    self-tested to give each row the bits of a plain step (``selfspec/target/exact.py``)."""
     rows = x.numel() // x.shape[-1]
     if not (max_rows and rows > max_rows) and rows >= min_rows:
         return matmul(x)
@@ -250,12 +250,6 @@ def _swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Modul
         replaced[name] = getattr(parent, child)
         setattr(parent, child, module)
     return replaced
-
-
-def weight_numel(model: nn.Module) -> int:
-    """The model's parameter count, packed or not (packed weights and biases are buffers, not parameters)."""
-    packed = sum(m.weight_numel() for m in model.modules() if isinstance(m, PackedLinear))
-    return sum(p.numel() for p in model.parameters()) + packed
 
 
 def is_packed(model: nn.Module) -> bool:

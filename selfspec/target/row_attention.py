@@ -2,8 +2,8 @@
 
 The exact pass needs every row's attention computed as a one-token plain step computes it. Through torch's
 attention kernel that takes one call per key width, a copy of the keys for every tree path but the first, and
-query blocks padded for the kernel's thread buffers (``selfspec/exact.py``). This kernel
-(``selfspec/csrc/row_attention.cpp``) is written so that no row's arithmetic depends on the call: a row's keys are
+query blocks padded for the kernel's thread buffers (``selfspec/target/exact.py``). This kernel
+(``selfspec/target/csrc/row_attention.cpp``) is written so that no row's arithmetic depends on the call: a row's keys are
 a prefix of its cache row (the cache) then a list of slots (its ancestors and itself), every score (16 keys at a
 time, a key's lane its index mod 16), weight and sum runs in key order with the same vector code, and the work is
 split by rows, never within one. A plain step
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .cpu import flags_digest
-from .disk_cache import cached, machine
+from ..cpu import flags_digest
+from ..disk_cache import cached, machine
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def kernel():
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
         if not any(root.glob(f"**/{build_name()}/*.so")):
             log.warning("building selfspec's row attention kernel for this CPU (once, 20-40 s; cached in %s)", root)
-        with as_file(files("selfspec") / "csrc" / "row_attention.cpp") as source:  # package data
+        with as_file(files("selfspec.target") / "csrc" / "row_attention.cpp") as source:  # package data
             module = load(name=build_name(), sources=[str(source)], verbose=False,
                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # noqa: BLE001 - any build failure means: use torch's kernel

@@ -49,7 +49,7 @@ def selfspec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface signature; without a 4-D mask (not a static pass), stock "sdpa"; given an
-    exact pass's plan (``selfspec_exact``), every row as a plain step computes it (``selfspec/exact.py``)."""
+    exact pass's plan (``selfspec_exact``), every row as a plain step computes it (``selfspec/target/exact.py``)."""
     plan = kwargs.get("selfspec_exact")
     if plan is not None:
         return exact_attention(query, key, value, plan, scaling), None

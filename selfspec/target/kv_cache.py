@@ -15,8 +15,8 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import StaticLayer
 
-from .errors import SelfspecError
-from .memory import attention_layout
+from ..errors import SelfspecError
+from ..memory import attention_layout
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:

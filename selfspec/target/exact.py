@@ -8,7 +8,7 @@ work row by row. So the exact pass fixes how each query row attends:
 
     keys      a row at position p sees the cache, then its ancestors in depth order, then itself: exactly
               the p + 1 keys a plain step at p sees, in the same order
-    kernel    on an AVX-512 CPU the row attention kernel (``selfspec/row_attention.py``) attends every row of a
+    kernel    on an AVX-512 CPU the row attention kernel (``selfspec/target/row_attention.py``) attends every row of a
               pass over its own keys in one call per layer, each row's bits independent of the call by
               construction; the rules below are how torch's attention kernel is used where it is not built.
     paths     the tree is covered by paths: the chain after the root (in slot order) reads the cache in place;
@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
 from . import row_attention
-from .disk_cache import cached, machine
+from ..disk_cache import cached, machine
 
 log = logging.getLogger(__name__)
 
@@ -457,7 +457,7 @@ class ExactSupport:
 
 def check_exact(model: nn.Module) -> ExactSupport:
     """Run the self-test on ``model``'s shapes for forwards of the row grid's sizes (the LM head included)."""
-    from .memory import attention_layout
+    from ..memory import attention_layout
     from .packed_linear import PackedLinear
 
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
