@@ -3,6 +3,8 @@ switches speculation off (with occasional probes) when they are not."""
 
 from __future__ import annotations
 
+import math
+
 from selfspec.adaptive import AdaptiveDepth, DepthPolicy, tree_size_by_cost
 from selfspec.target.common import bucket_for
 from selfspec.target.cost import PassCost
@@ -169,3 +171,16 @@ def test_the_cost_of_a_bucketed_pass_is_its_buckets() -> None:
     cost.record(1, 16, 1.2)  # what the pass ran: 9 nodes padded to 16
     assert cost.ratio(1, 5) == cost.ratio(1, 9) == cost.ratio(1, 16) == 1.2
     assert abs(cost.ratio(1, 64) - (1.2 + 48 * 0.2 / 15)) < 1e-12  # slope 0.2 / 15 per node, not 0.1
+    assert cost.seconds(1, 65) == cost.ratio(1, 65) == cost.ratio(1, 64.5) == math.inf  # more than a pass runs
+    assert tree_size_by_cost([0.99] * 80, lambda n: cost.ratio(1, n)) == 63  # a drafter asking past it: cut there
+
+
+def test_depths_whose_trees_would_outgrow_the_largest_bucket_are_priced_out() -> None:
+    """Trees that branched (3 nodes at depth 1) make deeper drafts look wider than any pass runs: the controller
+    prices those depths out instead of failing (a bench of eagle+lookup at --max-nodes 64 once stopped there)."""
+    cost = PassCost(lambda rows, nodes: (rows, bucket_for(nodes, (1, 2, 4))))
+    for nodes, seconds in ((1, 1.0), (1, 1.0), (2, 1.05), (4, 1.1)):
+        cost.record(1, nodes, seconds)
+    ctrl = AdaptiveDepth(max_depth=3, cost=cost, nodes_at={1: 3.0, 2: 5.0, 3: 9.0})
+    assert ctrl.expected_rate(2) == ctrl.expected_rate(3) == 0.0
+    assert ctrl.choose() == 1

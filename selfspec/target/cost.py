@@ -24,6 +24,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..errors import SelfspecError
+
 
 def ema(old: float | None, new: float, w: float = 0.2) -> float:
     """A running average: ``new`` weighs ``w``."""
@@ -54,22 +56,26 @@ class PassCost:
         """How many passes of ``rows`` rows of ``nodes`` nodes (as they run) the cost holds, of its last window."""
         return len(self.runs.get(self.shape(rows, nodes), ()))
 
-    def measured(self, rows: int, nodes: int) -> float | None:
-        """The lower median of the passes measured at the shape ``rows`` x ``nodes`` runs at (None: none yet)."""
-        times = self.runs.get(self.shape(rows, nodes))
+    def _median(self, run: tuple[int, int]) -> float | None:
+        times = self.runs.get(run)
         return sorted(times)[(len(times) - 1) // 2] if times else None
 
     def seconds(self, rows: int, nodes: int) -> float | None:
-        """Measured or estimated time of a pass of ``rows`` rows of trees of ``nodes`` nodes; None before any pass."""
-        known = self.measured(rows, nodes)
+        """Measured or estimated time of a pass of ``rows`` rows of trees of ``nodes`` nodes (the lower median of
+        those measured at the shape it runs at); None before any pass; infinite for more nodes than a pass runs (a
+        drafter sizing its tree asks past the largest bucket: such a tree is never the cheapest)."""
+        try:
+            run = self.shape(rows, nodes)
+        except SelfspecError:
+            return math.inf
+        known = self._median(run)
         if known is not None:
             return known
-        run_rows, run_nodes = self.shape(rows, nodes)
-        base = self.measured(rows, 1)
+        plain = self.shape(rows, 1)
+        base = self._median(plain)
         if base is None:
-            return self.along(run_rows * run_nodes)
-        plain_rows, plain_nodes = self.shape(rows, 1)
-        return base + max(self.along(run_rows * run_nodes) - self.along(plain_rows * plain_nodes), 0.0)
+            return self.along(run[0] * run[1])
+        return base + max(self.along(run[0] * run[1]) - self.along(plain[0] * plain[1]), 0.0)
 
     def ratio(self, rows: int, nodes: float) -> float | None:
         """What a pass of trees of ``nodes`` nodes costs in plain passes of as many rows (a fractional size, an
@@ -79,6 +85,8 @@ class PassCost:
             return None
         lo, hi = max(math.floor(nodes), 1), max(math.ceil(nodes), 1)
         r_lo, r_hi = self.seconds(rows, lo) / plain, self.seconds(rows, hi) / plain
+        if math.isinf(r_hi):  # past the largest bucket
+            return r_lo if nodes == lo else math.inf
         return r_lo + (nodes - lo) * (r_hi - r_lo)
 
     def along(self, tokens: int) -> float | None:
