@@ -1,10 +1,10 @@
 """The bench's losslessness check: every output that differs from the reference method's, diagnosed at
 its first differing token (:mod:`selfspec.divergence`): identical, a rounding near-tie, or real (a bug).
 
-The reference is ``hf`` when it ran, else ``plain``; with an exact target pass (``selfspec/target/exact.py``), whose promise
-is bit-identity to selfspec's own plain decoding, ``plain`` when it ran. Diagnoses are appended to ``OUT/divergence.jsonl``,
-keyed by a hash of (dtype, safety factor, prompt ids, both outputs), so ``--report-only`` and a resumed
-run re-read them instead of recomputing. An output is ``unchecked`` when its prompt ids differ from the
+The reference is ``hf`` when it ran, else ``plain``; with an exact target pass (``selfspec/target/exact.py``), whose
+promise is bit-identity to selfspec's own plain decoding, ``plain`` when it ran. Diagnoses are appended to
+``OUT/divergence.jsonl``, keyed by a hash of (dtype, safety factor, prompt ids, both outputs), so ``--report-only``
+and a resumed run re-read them instead of recomputing. An output is ``unchecked`` when its prompt ids differ from the
 reference's (a later turn, after an earlier turn's answers diverged: that turn has its own verdict) or
 when its ``runs.jsonl`` row predates stored prompt ids.
 """

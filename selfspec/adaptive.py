@@ -1,9 +1,10 @@
 """Adaptive draft depth: draft as deep as pays on this model and this hardware, or not at all.
 
 The controller reads, from its request's ``PassCost`` (``selfspec/target/cost.py``, the one cost model for a
-request alone and for a batch, by the shape passes run), t1, the time of a plain step, and what a one-row pass over n nodes costs in plain
-passes, measured for each size verified (on a CPU far from linear: Qwen2.5-1.5B, fp32, 2 cores: 2 nodes 1.09x,
-4 nodes 2.11x, 16 nodes 3.48x, so one slope would overrate mid-size trees), and keeps its own running estimates of
+request alone and for a batch, by the shape passes run), t1, the time of a plain step, and what a one-row pass
+over n nodes costs in plain passes, measured for each size verified (on a CPU far from linear: Qwen2.5-1.5B,
+fp32, 2 cores: 2 nodes 1.09x, 4 nodes 2.11x, 16 nodes 3.48x, so one slope would overrate mid-size trees), and keeps
+its own running estimates of
   * the drafting time per depth, and the nodes a depth-k draft holds (trees branch),
   * alpha_d: P(depth d accepted | depth d-1 accepted).
 For depth k the expected gain is E(k) = 1 + sum_{d<=k} prod_{j<=d} alpha_j tokens per pass, at cost

@@ -31,16 +31,16 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .target import RowPass
 from .budget import Budget
-from .target.cost import PassCost
 from .context import check_request, context_length
 from .engine import GenerationResult, SpeculativeEngine
 from .errors import SelfspecError
 from .prefix_cache import PrefixCache
 from .request import DecodeConfig, DecodeState, Request, sync_device
-from .target.common import PREFILL_CHUNK
 from .stats import GenerationStats
+from .target import RowPass
+from .target.common import PREFILL_CHUNK
+from .target.cost import PassCost
 from .tree import chain
 
 DEFAULT_CONTEXT = 4096  # positions per request when the model allows as many (prompt + new tokens)

@@ -10,9 +10,9 @@ whole batch:
 
 E_r(k) (1 + the drafts row r is expected to get accepted, from its own acceptance record, ``AdaptiveDepth``),
 T the time of such a pass on this machine (``PassCost``, ``selfspec/target/cost.py``: the one cost model, a request
-alone prices its trees with it too; by the shape the pass runs at, from a calibration at start and every pass since), draft_r the row's measured drafting time per depth. k = 0 is
-plain batched decoding, with no drafter on the path at all; it wins once extra tokens cost more than they are
-expected to commit.
+alone prices its trees with it too; by the shape the pass runs at, from a calibration at start and every pass since),
+draft_r the row's measured drafting time per depth. k = 0 is plain batched decoding, with no drafter on the path at
+all; it wins once extra tokens cost more than they are expected to commit.
 """
 
 from __future__ import annotations

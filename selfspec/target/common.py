@@ -68,6 +68,10 @@ class Target:
         self.decoder = self.model.get_decoder()
         self.kwarg = cache_kwarg(type(self.decoder))
 
+    def parts(self) -> tuple[torch.nn.Module, torch.device, torch.dtype, bool]:
+        """(model, device, dtype, packed): what a pass keeps of its target."""
+        return self.model, self.device, self.dtype, self.packed
+
     @property
     def head(self) -> torch.nn.Module:
         """The LM head (read each time: the exact pass may bound a dense one, which makes it another module)."""

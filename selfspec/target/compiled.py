@@ -58,8 +58,7 @@ class CompiledPass:
 
     def __init__(self, model: torch.nn.Module, buckets: tuple[int, ...] = BUCKETS, pack: bool = True) -> None:
         self.target = Target(model, pack)
-        self.model, self.device, self.dtype, self.packed = model, self.target.device, self.target.dtype, \
-            self.target.packed
+        self.model, self.device, self.dtype, self.packed = self.target.parts()
         self.buckets = tuple(sorted(buckets))
         self.cache: StaticCache | None = None
         self.max_len = 0

@@ -76,8 +76,7 @@ class RowPass:
         if context is None and max_batch != 1:
             raise SelfspecError("a cache of several rows needs a context per row")
         self.target = Target(model, pack)
-        self.model, self.device, self.dtype, self.packed = model, self.target.device, self.target.dtype, \
-            self.target.packed
+        self.model, self.device, self.dtype, self.packed = self.target.parts()
         self.support = ExactSupport(False, reason="off (--no-exact)")
         if exact:
             self.support = check_exact(model)
