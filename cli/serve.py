@@ -41,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="positions per request, prompt + answer (default: the model's, at most 4096)")
     g.add_argument("--prefix-cache", type=float, default=256, metavar="MIB",
                    help="MiB of prompts' KV kept for later prompts that start the same way (a repeated question, a "
-                        "shared system prompt, a chat's earlier turns): reused exactly, never changing a token; 0: "
-                        "off (default: %(default)s)")
+                        "shared system prompt, a chat's earlier turns): reused exactly, never changing a token; the "
+                        "least recently used go first past this bound; its size in /metrics (selfspec_memory_bytes"
+                        "{part=\"prefix_cache\"}); 0: off (default: %(default)s)")
     g.add_argument("--queue-size", type=positive_int, default=16,
                    help="requests that may wait for a row of the batch; more are refused with 429 (default: %(default)s)")
     g.add_argument("--no-smoothing", action="store_true", help="send tokens as steps commit them, in bursts")

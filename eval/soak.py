@@ -7,9 +7,11 @@ Starts the server on a free loopback port (or uses ``--url``, loopback only, wit
 then ``--clients`` clients send requests back to back until ``--minutes`` have passed (or ``--max-requests``):
 every prompt new (a held-out ShareGPT or HumanEval first turn with a random suffix, so no two requests share
 more than the question), 16 / 48 / 96 new tokens, greedy or sampled (temperature 0.8), streamed or not, chosen per
-request from a seeded generator. Every minute it prints the requests answered by status, tokens/s and the server's
-resident memory (``/proc/PID/status`` VmRSS); at the end, a verdict on memory over the second half of the run
-(growth under ``--max-growth``, 1% by default, is flat) and, with ``--out``, every minute as JSON. Add
+request from a seeded generator. Every minute it prints the requests answered by status, tokens/s, the server's
+resident memory (``/proc/PID/status`` VmRSS) and its memory by part from ``/metrics`` (``selfspec_memory_bytes``:
+the KV rows, the prefix cache as accounted and as held, the drafter's caches, the C heap in use and free); at the
+end, a verdict on memory over the second half of the run (growth under ``--max-growth``, 1% by default, is flat)
+and, with ``--out``, every minute as JSON. Add
 ``--server "--prefix-cache 0"`` to soak without the prefix cache (so it cannot hide a leak elsewhere).
 """
 
@@ -104,6 +106,24 @@ def client(url: str, model: str, questions: list[str], seed: int, tally: Tally, 
         tally.add(*request_once(url, model, prompt, rng))
 
 
+def memory_parts(url: str) -> dict[str, float]:
+    """The server's memory by part as its ``/metrics`` reports it (``selfspec_memory_bytes``), MiB (counts as is),
+    and the seconds it spent trimming its heap."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('selfspec_memory_bytes{part="'):
+            part, value = line[len('selfspec_memory_bytes{part="'):].split('"} ')
+            out[part] = float(value) if part.endswith("_entries") else round(float(value) / 2**20, 2)
+        elif line.startswith("selfspec_heap_trim_seconds_total "):
+            out["heap_trim_s"] = round(float(line.split()[1]), 3)
+    return out
+
+
 def verdict(minutes: list[dict], max_growth: float) -> dict:
     """Memory over the second half of the run: growth from its first report to its last, and whether it is flat."""
     rss = [m["rss_mib"] for m in minutes if m["rss_mib"] is not None]
@@ -113,6 +133,13 @@ def verdict(minutes: list[dict], max_growth: float) -> dict:
     growth = (half[-1] - half[0]) / half[0]
     return {"flat": growth < max_growth, "growth": round(growth, 4), "from_mib": round(half[0], 1),
             "to_mib": round(half[-1], 1), "max_growth": max_growth}
+
+
+def second_half(minutes: list[dict], part: str) -> dict | None:
+    """A part of the server's memory (MiB) from the first to the last report of the run's second half: whether a
+    growth is memory in use (a leak) or memory freed and kept (fragmentation)."""
+    values = [m["parts"][part] for m in minutes[len(minutes) // 2:] if part in m.get("parts", {})]
+    return {"from_mib": values[0], "to_mib": values[-1]} if values else None
 
 
 def questions(model: str) -> list[str]:
@@ -148,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             status, tokens = tally.snapshot()
             row = {"minute": round(tick * args.interval / 60, 2), "requests": status,
                    "tokens_per_s": round((tokens - last_tokens) / args.interval, 1),
-                   "rss_mib": None if pid is None else rss_mib(pid)}
+                   "rss_mib": None if pid is None else rss_mib(pid), "parts": memory_parts(url)}
             last_tokens = tokens
             minutes.append(row)
             print(json.dumps(row), flush=True)
@@ -165,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     result = {"model": args.model, "server": args.server, "clients": args.clients, "minutes": minutes,
               "requests": status, "all_ok": set(status) <= {200}, "memory": verdict(minutes, args.max_growth),
               "environment": environment()}
-    print(json.dumps({k: result[k] for k in ("requests", "all_ok", "memory")}), flush=True)
+    result["heap"] = {part: second_half(minutes, part) for part in ("malloc_in_use", "malloc_free")}
+    print(json.dumps({k: result[k] for k in ("requests", "all_ok", "memory", "heap")}), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0 if result["all_ok"] else 1

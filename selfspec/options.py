@@ -208,7 +208,8 @@ def add_drafter_options(p: argparse.ArgumentParser, several_heads: bool = False)
                         "repeats itself, the heads or draft model elsewhere, each judged on its own acceptance)")
     g.add_argument("--suffix-max-mib", type=positive_float, default=64, metavar="MIB",
                    help="--drafter suffix: the most its index of earlier requests holds, the oldest forgotten first "
-                        "(default: %(default)s; ~210 bytes a token: 64 MiB hold ~300k tokens)")
+                        "(default: %(default)s; ~210 bytes a token: 64 MiB hold ~300k tokens); its size in serve's "
+                        "/metrics (selfspec_suffix_index{part=\"bytes\"})")
 
 
 def add_heads_path_option(p: argparse.ArgumentParser) -> None:

@@ -269,3 +269,23 @@ def test_batch_steps_counts_every_token_and_step(capsys):
     assert "3 requests at once" in summary and " 36 tokens in " in summary
     steps = int(summary.rsplit(", ", 1)[1].split()[0])
     assert sum(int(cell.split(": ")[1]) for cell in shapes.split(": ", 1)[1].split(", ")) == steps
+
+
+@pytest.mark.integration
+def test_batch_steps_breakdown_splits_a_step_into_parts_that_add_up(capsys):
+    """``--breakdown``: the parts of a profiled step add up to its wall time (what no operator accounts for is
+    Python's), and the linears show as linears."""
+    from selfspec_eval.batch_steps import PARTS, main, part_of
+
+    assert part_of("mkldnn::_linear_pointwise") == "packed linears" and part_of("aten::rsqrt") == PARTS[-1][0]
+    with pytest.raises(SystemExit):
+        main(["--model", "smollm2-135m-instruct", "--rows", "2", "--max-new-tokens", "8", "--breakdown", "4"])
+    assert main(["--model", "smollm2-135m-instruct", "--dtype", "bfloat16", "--rows", "2", "--max-new-tokens", "12",
+                 "--breakdown", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    head = next(i for i, line in enumerate(lines) if "ms per step by part" in line)
+    assert "2 rows" in lines[head]
+    table = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1]) for line in lines[head + 1:]}
+    assert table["packed linears"] > 0
+    parts = sum(v for k, v in table.items() if not k.startswith("step ms"))
+    assert parts == pytest.approx(table["step ms (profiled)"], abs=0.05)  # printed to 2 decimals

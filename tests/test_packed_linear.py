@@ -13,6 +13,7 @@ from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.frozen import lm_head, lm_head_rows
 from selfspec.memory import predict_target
 import selfspec.target.packed_linear as packed_linear_module
+from selfspec.serve import footprint
 from selfspec.memory import weight_numel
 from selfspec.target.packed_linear import (PackedLinear, dense_linears, is_packed, linear_modules, pack_linears,
                                            unpack_linears)
@@ -59,6 +60,60 @@ def test_row_limits_run_the_rows_of_every_leading_dimension_in_chunks_and_lone_r
     calls.clear()
     packed(x)
     assert calls == [(4, 8, 48)]  # enough rows: one call, untouched
+
+
+def test_packed_matmuls_run_on_a_row_grid_that_keeps_the_exact_row_sizes(monkeypatch):
+    """Every row count reaches oneDNN as one of a few grid sizes (oneDNN compiles and keeps a kernel per shape), the
+    exact pass's self-tested sizes untouched, each row's result the on-grid call's (padding rows dropped)."""
+    from selfspec.target.exact import ROW_SIZES
+
+    assert all(packed_linear_module.grid_rows(r) == r for r in ROW_SIZES)
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(48, 80, bias=True).to(torch.bfloat16))
+    seen = set()
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(packed_linear_module, "_pointwise", lambda x, *a: seen.add(x.shape[0]) or real(x, *a))
+    x = torch.randn(1100, 48, dtype=torch.bfloat16)
+    for rows in range(1, 1100, 3):
+        out = packed(x[:rows])
+        assert out.shape == (rows, 80)
+    assert len(seen) <= 64 and max(seen) <= 1152
+    on_grid = packed(x[:24])
+    assert torch.equal(packed(x[:21]), on_grid[:21])  # 21 rows run as 24: the same bits for each of them
+    assert torch.equal(packed(x[:21].view(3, 7, 48)), on_grid[:21].view(3, 7, 80))
+
+
+def test_dense_16_bit_linears_run_on_the_grid_too(monkeypatch):
+    """A drafter's own context rows (any number of output rows) beside any number of input rows: each call reaches
+    the matmul at grid shapes, the results those of the unpadded product."""
+    torch.manual_seed(0)
+    real = nn.functional.linear
+    seen = set()
+    monkeypatch.setattr(nn.functional, "linear",
+                        lambda x, w, b=None: seen.add((x.shape[0], w.shape[0])) or real(x, w, b))
+    for rows, out, bias in [(1, 1, False), (3, 5, True), (13, 70, True), (40, 64, False)]:
+        x, w = torch.randn(rows, 48, dtype=torch.bfloat16), torch.randn(out, 48, dtype=torch.bfloat16)
+        b = torch.randn(out, dtype=torch.bfloat16) if bias else None
+        torch.testing.assert_close(packed_linear_module.linear(x, w, b), real(x, w, b), atol=2e-2, rtol=2e-2)
+    assert all(packed_linear_module.grid_rows(r) == r and o % packed_linear_module.OUT_STEP == 0 for r, o in seen)
+    seen.clear()
+    packed_linear_module.linear(torch.randn(3, 48), torch.randn(5, 48))  # float32: MKL, which keeps no kernels
+    assert seen == {(3, 5)}
+
+
+@pytest.mark.skipif(footprint.malloc_bytes() == {}, reason="reads glibc's heap (mallinfo2)")
+def test_matmuls_of_hundreds_of_row_counts_leave_the_heap_flat():
+    """A server meets every row count (prompts, drafted features): off the grid, oneDNN kept a compiled kernel of
+    ~0.6 MiB for each (SmolLM2's 576 x 1536 linear: +120 MiB over 200 row counts), a slow growth a soak saw."""
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(576, 1536, bias=False).to(torch.bfloat16))
+    x = torch.randn(300, 576, dtype=torch.bfloat16)
+    for rows in range(1, 101):
+        packed(x[:rows])
+    before = footprint.malloc_bytes()["malloc_in_use"]
+    for rows in range(101, 301):
+        packed(x[:rows])
+    assert footprint.malloc_bytes()["malloc_in_use"] - before < 40 * 2**20
 
 
 def test_a_compiled_graph_calls_the_packed_matmul_as_one_opaque_operator():

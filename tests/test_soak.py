@@ -58,3 +58,9 @@ def test_a_few_hundred_fresh_requests_leave_every_structure_within_its_bounds(tm
         server.close()
     result = json.loads((tmp_path / "soak.json").read_text())
     assert result["requests"] == {"200": 240} and result["minutes"]
+    if "malloc_in_use" in result["minutes"][-1]["parts"]:  # glibc: the heap in use and free over the second half
+        assert result["heap"]["malloc_in_use"]["to_mib"] > 0 and result["heap"]["malloc_free"] is not None
+    parts = result["minutes"][-1]["parts"]  # /metrics: the memory by part, each cache as accounted and as held
+    assert parts["kv_cache"] > 0 and parts["lm_rows_cache_entries"] <= CONTEXT_ROWS_CACHED
+    if engine.prefix is not None:
+        assert parts["prefix_cache_held"] == parts["prefix_cache"] <= parts["prefix_cache_max"] == 0.06

@@ -35,7 +35,7 @@ from ..errors import SelfspecError
 from ..target.kv_cache import RowCache, truncate
 from ..memory import kv_bytes_per_token, model_dtype
 from ..memory import weight_numel
-from ..target.packed_linear import linear, pack_linears, pack_weight, packable
+from ..target.packed_linear import linear, on_grid, pack_linears, pack_weight, packable
 from ..tree import DraftTree, additive_mask, chain
 from ..frozen import lm_head, lm_head_rows
 from .eagle import EagleHead
@@ -166,13 +166,13 @@ class EagleDrafter(Drafter):
 
     def _logits(self, feats: torch.Tensor) -> torch.Tensor:
         """(n, H) features -> (n, draft_vocab) logits (the LM head's rows for the draft vocabulary)."""
-        return linear(feats, self.lm_weight, self.lm_bias) if self.reduced else lm_head(self.target)(feats)
+        return linear(feats, self.lm_weight, self.lm_bias) if self.reduced else on_grid(lm_head(self.target), feats)
 
     def _with_context(self, state: EagleState, feats: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with the sequence's context tokens outside the draft vocabulary appended."""
         if not state.context_ids:
             return logits
-        return torch.cat([logits, nn.functional.linear(feats, state.context_weight, state.context_bias)], -1)
+        return torch.cat([logits, linear(feats, state.context_weight, state.context_bias)], -1)
 
     def _log_probs(self, state: EagleState, feats: torch.Tensor) -> torch.Tensor:
         """(n, H) features -> (n, draft_vocab + context tokens) log-probabilities."""

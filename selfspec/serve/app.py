@@ -385,6 +385,7 @@ def create_app(engine: BatchEngine, tokenizer, config: ServerConfig) -> FastAPI:
         suffix = drafter if hasattr(drafter, "indexes") else getattr(drafter, "lookup", None)
         if hasattr(suffix, "indexes"):
             server.telemetry.suffix_index(suffix.indexes())
+        server.telemetry.footprint(server.worker)
         return PlainTextResponse(server.telemetry.render(), media_type="text/plain; version=0.0.4")
 
     return app

@@ -11,6 +11,7 @@ receives them.
 from __future__ import annotations
 
 from ..batching import StepStats
+from . import footprint
 from .metrics import Counter, Gauge, Histogram, Registry
 from .worker import Finished, Job
 
@@ -56,6 +57,13 @@ class Telemetry:
         self.suffix = r.add(Gauge("selfspec_suffix_index", "The suffix drafter's index (--drafter suffix): bytes held "
                                   "(within its bound), sequences, lookups and lookups that found a match, summed over its "
                                   "indexes (scopes: one shared, one per API key with --suffix-scope key)"))
+        self.resident = r.add(Gauge("process_resident_memory_bytes", "Resident memory of the server process"))
+        self.memory = r.add(Gauge("selfspec_memory_bytes", "The server's memory by part: the target's KV rows, the "
+                                  "prefix cache as it accounts itself, as its tensors hold it and its bound "
+                                  "(--prefix-cache), the drafter's caches, the C heap in use and free (*_entries: "
+                                  "counts)"))
+        self.trim_s = r.add(Gauge("selfspec_heap_trim_seconds_total", "Seconds the engine thread spent handing the C "
+                                  "heap's free pages back to the system (once a minute between steps)"))
         self._by_heads: dict[str, list[float]] = {}  # heads -> [tokens, row passes]
         self._heads_seen: set[str] = set()
 
@@ -104,6 +112,15 @@ class Telemetry:
                             ("sequences", sum(len(i.seqs) for i in indexes)), ("lookups", sum(i.lookups for i in indexes)),
                             ("hits", sum(i.hits for i in indexes)), ("scopes", len(indexes))):
             self.suffix.set(value, part=what)
+
+    def footprint(self, worker) -> None:
+        """The process's resident memory, the engine's by part (``serve/footprint.py``), the time spent trimming."""
+        resident = footprint.resident_bytes()
+        if resident is not None:
+            self.resident.set(resident)
+        for part, value in footprint.parts(worker.engine).items():
+            self.memory.set(value, part=part)
+        self.trim_s.set(worker.trim_s)
 
     def render(self) -> str:
         return self.registry.render()

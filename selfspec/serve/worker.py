@@ -23,8 +23,10 @@ from ..batching import BatchEngine
 from ..errors import SelfspecError
 from ..request import DecodeConfig, Request
 from ..stats import GenerationStats
+from . import footprint
 
 log = logging.getLogger("selfspec.serve")
+TRIM_EVERY_S = 60.0
 
 
 @dataclass
@@ -110,6 +112,7 @@ class EngineWorker:
         self.request_s: float | None = None  # moving average of a request's decoding time (for Retry-After)
         self.heads: str | None = None  # the heads new requests draft with (a name for /metrics)
         self.swap_pending: Swap | None = None
+        self.trimmed, self.trim_s = time.monotonic(), 0.0  # the last trim of the C heap, seconds spent trimming
         self.thread = threading.Thread(target=self._loop, name="selfspec-engine", daemon=True)
 
     @property
@@ -183,6 +186,7 @@ class EngineWorker:
             while self._admit():
                 self._apply_swap()
                 self._step()
+                self._trim()
         except BaseException as exc:  # the thread is dying: say why, and let nobody wait for it
             self._die(exc)
 
@@ -242,6 +246,15 @@ class EngineWorker:
             self.on_step(self.engine.last_step)
         for req in [r for r in self.active if r.finished]:
             self._end(req, "ok")
+
+    def _trim(self) -> None:
+        """Every ``TRIM_EVERY_S`` between steps, hand the C heap's free pages back to the system (prompts' KV, passes'
+        activations and the drafter's rows come and go in every size, and glibc keeps the holes they leave)."""
+        now = time.monotonic()
+        if now - self.trimmed >= TRIM_EVERY_S:
+            footprint.trim()
+            self.trimmed = time.monotonic()
+            self.trim_s += self.trimmed - now
 
     def _end(self, req: Request, status: str, error: str | None = None, error_type: str = "server_error") -> None:
         job = self.active.pop(req)

@@ -49,7 +49,15 @@ def selfspec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface signature; without a 4-D mask (not a static pass), stock "sdpa"; given an
-    exact pass's plan (``selfspec_exact``), every row as a plain step computes it (``selfspec/target/exact.py``)."""
+    exact pass's plan (``selfspec_exact``), every row as a plain step computes it (``selfspec/target/exact.py``).
+    Under torch's profiler the call is one ``selfspec::attention`` range (the row kernel is no torch operator)."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
+        with torch.profiler.record_function("selfspec::attention"):
+            return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs) -> tuple[torch.Tensor, None]:
     plan = kwargs.get("selfspec_exact")
     if plan is not None:
         return exact_attention(query, key, value, plan, scaling), None

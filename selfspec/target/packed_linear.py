@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 BATCH_HINT = 16  # rows oneDNN lays the weight out for: measured fastest from 1 to 32 rows on this project's CPU
+OUT_STEP = 64  # a dense 16-bit weight's output rows are padded to a multiple of this (``linear``)
 ROW_BLOCK = 16384  # output rows per packed block (an LM head's vocabulary is split; the target's layers are not)
 
 
@@ -50,14 +51,52 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Ten
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
+def _pointwise(x, packed, bias, *args):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, *args)
+
+
+def grid_rows(rows: int) -> int:
+    """The row count a packed matmul of ``rows`` rows runs at: a power of two up to 8, then a multiple of 8 up to 256
+    (the exact pass's self-tested ``ROW_SIZES``, which it leaves as they are), then of 64. oneDNN keeps one compiled
+    kernel per input shape (its primitive cache: ~0.6 MiB each for SmolLM2's 576 x 1536 linear, up to 1,024 of
+    them), so matmuls of every row count a server meets (a drafter's features, prompts of any length) grew its
+    memory for hours; on this grid a weight meets at most ~50 shapes, all within the first minutes."""
+    if rows <= 8:
+        return 1 << max(rows - 1, 0).bit_length()
+    step = 8 if rows <= 256 else 64
+    return -(-rows // step) * step
+
+
+def on_grid(matmul, x: torch.Tensor) -> torch.Tensor:
+    """``matmul(x)`` over ``x``'s rows (every dimension but the last) run at :func:`grid_rows` rows: zero rows added,
+    their outputs dropped (each row's result is that of the on-grid call)."""
+    rows = x.numel() // x.shape[-1]
+    padded = grid_rows(rows)
+    if padded == rows:
+        return matmul(x)
+    out = matmul(torch.cat([x.reshape(rows, x.shape[-1]), x.new_zeros(padded - rows, x.shape[-1])]))[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` with ``W`` from :func:`pack_weight`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """``F.linear(x, W, bias)`` with ``W`` from :func:`pack_weight`, on the grid of row counts."""
+    return on_grid(lambda rows: _pointwise(rows, packed, bias, "none", [], ""), x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a dense weight or one from :func:`pack_weight`."""
-    return packed_linear(x, weight, bias) if weight.is_mkldnn else nn.functional.linear(x, weight, bias)
+    """``F.linear`` for a dense weight or one from :func:`pack_weight`, on the grid of shapes: rows as
+    :func:`grid_rows`, and a dense 16-bit weight's output rows (a request's own context tokens: any number) padded
+    to a multiple of ``OUT_STEP`` (on a CPU oneDNN runs 16-bit dense matmuls too, a kept kernel per shape; float32
+    ones run through MKL, which keeps none)."""
+    if weight.is_mkldnn:
+        return packed_linear(x, weight, bias)
+    if weight.dtype == torch.float32 or weight.device.type != "cpu":
+        return nn.functional.linear(x, weight, bias)
+    out, pad = weight.shape[0], -weight.shape[0] % OUT_STEP
+    if pad:
+        weight = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
+        bias = None if bias is None else torch.cat([bias, bias.new_zeros(pad)])
+    return on_grid(lambda rows: nn.functional.linear(rows, weight, bias), x)[..., :out]
 
 
 # the operator compiled graphs call: a key into the live packed modules (the module's packed weight is opaque to
