@@ -13,6 +13,7 @@ the KV rows, the prefix cache as accounted and as held, the drafter's caches, th
 end, a verdict on memory over the second half of the run (growth under ``--max-growth``, 1% by default, is flat)
 and, with ``--out``, every minute as JSON. Add
 ``--server "--prefix-cache 0"`` to soak without the prefix cache (so it cannot hide a leak elsewhere).
+``python -m selfspec_eval.soak summary NAME=FILE ...`` prints finished runs side by side as a markdown table.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -199,8 +200,36 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["all_ok"] else 1
 
 
+def summary(runs: dict[str, dict], at: Iterable[float] = (1, 5, 15, 30, 45, 60)) -> str:
+    """Soak results (``--out`` files) by name -> a markdown table: requests, the verdict over the second half, and
+    resident memory and the C heap (in use / free) at a few minutes, MiB."""
+    at = tuple(at)
+    lines = ["| run | requests | tokens/s | second-half RSS growth | " + " | ".join(f"min {m:g}" for m in at) + " |",
+             "|---|---|---|---|" + "---|" * len(at)]
+    for name, result in runs.items():
+        minutes = {m["minute"]: m for m in result["minutes"]}
+        cells = []
+        for m in at:
+            row = minutes.get(float(m))
+            heap = (row or {}).get("parts", {})
+            cells.append("-" if row is None else f"{row['rss_mib']:.0f} ({heap.get('malloc_in_use', 0):.0f} / "
+                         f"{heap.get('malloc_free', 0):.0f})")
+        rate = sum(m["tokens_per_s"] for m in result["minutes"]) / len(result["minutes"])
+        mem = result["memory"]
+        growth = f"{100 * mem['growth']:+.2f}% ({mem['from_mib']:.0f} -> {mem['to_mib']:.0f})" if mem["flat"] \
+            is not None else "-"
+        requests = ", ".join(f"{n:,} x {code}" for code, n in sorted(result["requests"].items()))
+        lines.append(f"| {name} | {requests} | {rate:.1f} | {growth} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m selfspec_eval.soak``."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "summary":  # soak summary NAME=FILE ...: the table of finished runs
+        print(summary({name: json.loads(Path(path).read_text()) for name, path in (a.split("=", 1) for a in argv[1:])}))
+        return 0
     p = OneLineParser(prog="soak", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--server", default="", help="extra `selfspec serve` arguments (one string)")

@@ -262,7 +262,7 @@ def test_metrics_say_where_the_memory_goes(server):
     m = metrics(server)
     assert m["process_resident_memory_bytes"][()] > 2**20
     parts = {dict(labels)["part"]: v for labels, v in m["selfspec_memory_bytes"].items()}
-    assert parts["kv_cache"] > 0 and parts["python_objects_entries"] > 0
+    assert parts["kv_cache"] > 0 and parts["python_blocks_entries"] > 0
     if "prefix_cache_max" in parts:  # a bounded cache: its bound, its size as accounted and as its tensors hold it
         assert parts["prefix_cache_held"] == parts["prefix_cache"] <= parts["prefix_cache_max"] == 256 * 2**20
 

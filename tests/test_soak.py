@@ -60,7 +60,22 @@ def test_a_few_hundred_fresh_requests_leave_every_structure_within_its_bounds(tm
     assert result["requests"] == {"200": 240} and result["minutes"]
     if "malloc_in_use" in result["minutes"][-1]["parts"]:  # glibc: the heap in use and free over the second half
         assert result["heap"]["malloc_in_use"]["to_mib"] > 0 and result["heap"]["malloc_free"] is not None
+    table = soak.summary({"smoke": result}, at=(m["minute"] for m in result["minutes"][:2])).splitlines()
+    assert table[2].startswith("| smoke | 240 x 200 | ") and len(table) == 3
     parts = result["minutes"][-1]["parts"]  # /metrics: the memory by part, each cache as accounted and as held
     assert parts["kv_cache"] > 0 and parts["lm_rows_cache_entries"] <= CONTEXT_ROWS_CACHED
     if engine.prefix is not None:
         assert parts["prefix_cache_held"] == parts["prefix_cache"] <= parts["prefix_cache_max"] == 0.06
+
+
+def test_kernel_cache_counts_what_onednn_compiled_in_each_round() -> None:
+    from selfspec_eval.kernel_cache import ROUND, count_misses
+
+    miss = "onednn_verbose,v1,primitive,create:cache_miss,cpu,{},brg_matmul:avx512_core_bf16,undef,src,,mb9ic8oc8,0.1"
+    hit = miss.replace("cache_miss", "cache_hit")
+    lines = [miss.format("reorder"), miss.format("inner_product"), ROUND + '{"round": "start"}',
+             miss.format("inner_product"), hit.format("inner_product"), miss.format("matmul"),
+             ROUND + '{"round": 0, "malloc_in_use": 12.5}', hit.format("matmul"), ROUND + '{"round": 1}']
+    rounds = count_misses(lines)
+    assert [r["compiled"] for r in rounds] == [2, 2, 0]
+    assert rounds[1] == {"round": 0, "malloc_in_use": 12.5, "compiled": 2, "by_kind": {"inner_product": 1, "matmul": 1}}

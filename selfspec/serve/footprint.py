@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import os
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -109,5 +109,7 @@ def _parts(engine) -> dict[str, int]:
         head_rows = getattr(d, "head_rows", None)
         if head_rows is not None and head_rows.cache is not None:
             out["head_rows"] = storage_bytes(t for layer in head_rows.cache.layers for t in (layer.keys, layer.values))
-    out["python_objects_entries"] = len(gc.get_objects())  # objects the collector tracks: a leak of Python objects
+    # Python's own allocations (a leak of Python objects); not gc.get_objects(), which from another thread can hold
+    # a tuple the engine thread is still filling and make its resize fail (SystemError in tuple(generator))
+    out["python_blocks_entries"] = sys.getallocatedblocks()
     return out | malloc_bytes()
