@@ -91,10 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.memory import free_memory, model_dtype
 
     try:
-        from selfspec.serve import ServerConfig, footprint, run as serve
+        from selfspec.serve import ServerConfig, run as serve
     except ImportError as exc:  # before the model loads
         raise SelfspecError(f"serving needs {exc.name}: pip install 'selfspec[serve]'") from None
-    footprint.pin_mmap_threshold()  # before the model and its caches allocate: a heap that stays put for days
     keys = api_keys(args)
     rec = recorder(args)  # a folder that cannot be written is refused before the model loads
     if not keys and not is_loopback(args.host):

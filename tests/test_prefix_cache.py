@@ -18,7 +18,7 @@ from selfspec.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.engine import DecodeConfig
 from selfspec.target.exact import ROW_SIZES, prefill_parts
 from selfspec.heads import init_heads, make_drafter
-from selfspec.prefix_cache import MIN_REUSE, PrefixCache
+from selfspec.prefix_cache import MIN_REUSE, OWN_PAGES_MIN, PrefixCache
 from selfspec.tree import chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,3 +148,30 @@ def test_the_cache_keeps_the_longest_prompts_within_its_bytes() -> None:
     states = {-1: torch.zeros(30, 8)}
     cache.add(torch.arange(200, 230), *kv(30), states)
     assert cache.match(torch.arange(200, 240), (-1,))[0] == 30 and cache.match(b, (-1,))[0] == 0  # no states: no match
+
+
+def test_large_entries_are_kept_in_pages_of_their_own_outside_the_c_heap() -> None:
+    footprint = pytest.importorskip("selfspec.serve.footprint")
+    if not footprint.malloc_bytes():
+        pytest.skip("reads glibc's heap")
+
+    def heap() -> int:  # what glibc hands out, from its arenas or mapped by it
+        m = footprint.malloc_bytes()
+        return m["malloc_in_use"] + m["malloc_mmapped"]
+
+    cache = PrefixCache(8 * 2**20)
+    prompt = torch.arange(300)
+    keys, values = torch.randn(4, 2, 300, 64), torch.randn(4, 2, 300, 64)  # 600 KiB each, as an entry's K/V
+    expected = keys.clone(), values.clone()
+    states = {-1: torch.randn(300, 8)}  # 9.6 KiB: under OWN_PAGES_MIN, kept as it is
+    before = heap()
+    cache.add(prompt, keys, values, states)
+    assert heap() - before < keys.nbytes // 4  # the entry's copies are not glibc's: the token ids and objects only
+    before = heap()
+    del keys, values
+    assert before - heap() >= 2 * expected[0].nbytes  # the caller's tensors went back to glibc: the entry kept none
+    entry = cache.match(prompt)[1]
+    assert torch.equal(entry.keys, expected[0]) and torch.equal(entry.values, expected[1])
+    assert entry.hidden[-1] is states[-1]
+    entry.values.mul_(-1)  # the pages are the entry's own and writable
+    assert torch.equal(entry.values, -expected[1])

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from conftest import Live, perturb
@@ -19,12 +17,6 @@ from selfspec.heads import init_heads
 from selfspec.heads.eagle_drafter import CONTEXT_ROWS_CACHED
 
 pytest.importorskip("uvicorn")
-
-
-def glibc() -> bool:
-    from selfspec.serve import footprint
-
-    return footprint._LIBC is not None
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -74,36 +66,6 @@ def test_a_few_hundred_fresh_requests_leave_every_structure_within_its_bounds(tm
     assert parts["kv_cache"] > 0 and parts["lm_rows_cache_entries"] <= CONTEXT_ROWS_CACHED
     if engine.prefix is not None:
         assert parts["prefix_cache_held"] == parts["prefix_cache"] <= parts["prefix_cache_max"] == 0.06
-
-
-MAPPED_AFTER_A_LARGE_FREE = """
-import ctypes, sys
-from selfspec.serve import footprint
-if sys.argv[1] == "pin":
-    print(footprint.pin_mmap_threshold(), flush=True)
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-libc.free(libc.malloc(8 << 20))  # a mapped block freed: glibc's own threshold rises to 8 MiB
-before = footprint.malloc_bytes()["malloc_mmapped"]
-block = libc.malloc(3 << 20)  # the size of a prefix-cache entry
-print(footprint.malloc_bytes()["malloc_mmapped"] - before)
-"""
-
-
-@pytest.mark.skipif(not glibc(), reason="glibc's allocator only")
-@pytest.mark.parametrize("pin", [False, True])
-def test_a_pinned_threshold_maps_large_blocks_on_their_own_after_a_large_free(pin) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    run = subprocess.run([sys.executable, "-c", MAPPED_AFTER_A_LARGE_FREE, "pin" if pin else "default"],
-                         capture_output=True, text=True, env=env, check=True)
-    lines = run.stdout.split()
-    if pin:  # mapped on its own: its pages go back to the system when it is freed, no hole left in the heap
-        assert lines[0] == str(1 << 20) and int(lines[1]) >= 3 << 20
-        run = subprocess.run([sys.executable, "-c", MAPPED_AFTER_A_LARGE_FREE, "pin"], capture_output=True,
-                             text=True, env={**env, "MALLOC_MMAP_THRESHOLD_": str(64 << 20)}, check=True)
-        assert run.stdout.split() == ["None", "0"]  # an operator's own $MALLOC_MMAP_THRESHOLD_ wins
-    else:  # the negative control: glibc's moving threshold carves it from the heap
-        assert int(lines[0]) == 0
 
 
 def test_kernel_cache_counts_what_onednn_compiled_in_each_round() -> None:

@@ -3,7 +3,6 @@
     parts(engine)      # {"kv_cache": ..., "prefix_cache": ..., "prefix_cache_held": ..., "malloc_free": ...}
     resident_bytes()   # the process's resident memory (``process_resident_memory_bytes``)
     trim()             # give the C allocator's free memory back to the system (glibc ``malloc_trim``)
-    pin_mmap_threshold()  # large blocks mapped on their own, for the process's life (glibc ``mallopt``)
 
 Each bounded cache is counted twice where it can drift: as it accounts itself (``prefix_cache``) and as its tensors'
 storages hold it (``prefix_cache_held``: a view into a larger tensor would keep the whole storage alive unseen).
@@ -22,9 +21,6 @@ from collections.abc import Iterable
 import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-MMAP_THRESHOLD = 1 << 20  # bytes: blocks this large or larger are mapped on their own
-MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc's own setting, read at start: the operator's choice wins
 
 
 class _MallInfo2(ctypes.Structure):
@@ -38,7 +34,6 @@ def _libc():
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         return libc
     except (OSError, AttributeError):  # not glibc (musl, macOS) or a glibc before 2.33
         return None
@@ -68,21 +63,6 @@ def malloc_bytes() -> dict[str, int]:
 def trim() -> bool:
     """Return the allocator's free pages to the system (a no-op where the allocator is not glibc's)."""
     return bool(_LIBC.malloc_trim(0)) if _LIBC is not None else False
-
-
-def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> int | None:
-    """Have glibc map every block of ``nbytes`` or more on its own and unmap it when it is freed, for the rest of
-    the process's life; returns the threshold set (None: not glibc, or ``$MALLOC_MMAP_THRESHOLD_`` already says).
-
-    glibc's default threshold moves: each mapped block freed raises it to that block's size (up to 32 MiB). In a
-    server the first prefix-cache entry evicted (a prompt's K/V, 1-4 MiB) raises it, and from then on entries and
-    step buffers of that size are carved from the heap's arenas, where blocks of every size freed in another order
-    than they came leave holes that later blocks only partly fill: free memory the process keeps and that grows
-    slowly for hours (SmolLM2 soak: ~1 MiB a minute). Pinned, a large block's pages go back to the system the
-    moment it is freed; a 16-row step's buffers stay below 1 MiB except the logits, mapped once per step."""
-    if _LIBC is None or MMAP_THRESHOLD_ENV in os.environ:
-        return None
-    return nbytes if _LIBC.mallopt(M_MMAP_THRESHOLD, nbytes) == 1 else None
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
