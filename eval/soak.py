@@ -126,14 +126,23 @@ def memory_parts(url: str) -> dict[str, float]:
 
 
 def verdict(minutes: list[dict], max_growth: float) -> dict:
-    """Memory over the second half of the run: growth from its first report to its last, and whether it is flat."""
+    """Memory over the second half of the run: growth from its first report to its last, and whether it is flat;
+    beside it the least-squares slope through every report of that half (MiB a minute), which two noisy end points
+    can hide."""
     rss = [m["rss_mib"] for m in minutes if m["rss_mib"] is not None]
     if len(rss) < 4:
         return {"flat": None, "why": "fewer than 4 reports of memory"}
     half = rss[len(rss) // 2:]
     growth = (half[-1] - half[0]) / half[0]
     return {"flat": growth < max_growth, "growth": round(growth, 4), "from_mib": round(half[0], 1),
-            "to_mib": round(half[-1], 1), "max_growth": max_growth}
+            "to_mib": round(half[-1], 1), "max_growth": max_growth, "slope_mib_per_min": round(slope(half), 3)}
+
+
+def slope(values: list[float]) -> float:
+    """The least-squares slope through ``values``, one a minute."""
+    n = len(values)
+    mx, my = (n - 1) / 2, sum(values) / n
+    return sum((i - mx) * (v - my) for i, v in enumerate(values)) / sum((i - mx) ** 2 for i in range(n))
 
 
 def second_half(minutes: list[dict], part: str) -> dict | None:
@@ -204,8 +213,8 @@ def summary(runs: dict[str, dict], at: Iterable[float] = (1, 5, 15, 30, 45, 60))
     """Soak results (``--out`` files) by name -> a markdown table: requests, the verdict over the second half, and
     resident memory and the C heap (in use / free) at a few minutes, MiB."""
     at = tuple(at)
-    lines = ["| run | requests | tokens/s | second-half RSS growth | " + " | ".join(f"min {m:g}" for m in at) + " |",
-             "|---|---|---|---|" + "---|" * len(at)]
+    lines = ["| run | requests | tokens/s | second-half RSS growth | fitted MiB/min | "
+             + " | ".join(f"min {m:g}" for m in at) + " |", "|---|---|---|---|---|" + "---|" * len(at)]
     for name, result in runs.items():
         minutes = {m["minute"]: m for m in result["minutes"]}
         cells = []
@@ -218,8 +227,10 @@ def summary(runs: dict[str, dict], at: Iterable[float] = (1, 5, 15, 30, 45, 60))
         mem = result["memory"]
         growth = f"{100 * mem['growth']:+.2f}% ({mem['from_mib']:.0f} -> {mem['to_mib']:.0f})" if mem["flat"] \
             is not None else "-"
+        fit = verdict(result["minutes"], mem.get("max_growth", 0.01)).get("slope_mib_per_min")  # files before it
+        fitted = "-" if fit is None else f"{fit:+.2f}"
         requests = ", ".join(f"{n:,} x {code}" for code, n in sorted(result["requests"].items()))
-        lines.append(f"| {name} | {requests} | {rate:.1f} | {growth} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {requests} | {rate:.1f} | {growth} | {fitted} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,8 @@ def test_the_verdict_reads_growth_over_the_second_half() -> None:
     rows = [{"rss_mib": m} for m in (100, 150, 200, 200, 201, 201.5)]
     flat = soak.verdict(rows, 0.01)
     assert flat["flat"] is True and flat["from_mib"] == 200 and flat["to_mib"] == 201.5
+    assert flat["slope_mib_per_min"] == 0.75  # the least-squares line through 200, 201, 201.5
+    assert soak.slope([5, 5, 5, 5]) == 0 and soak.slope([1, 0, 1, 0]) < 0
     assert soak.verdict(rows + [{"rss_mib": 230}], 0.01)["flat"] is False
     assert soak.verdict(rows[:3], 0.01)["flat"] is None
 
