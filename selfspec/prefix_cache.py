@@ -47,7 +47,10 @@ def own_pages(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or t.nbytes < OWN_PAGES_MIN:
         return t
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # as malloc maps (not Windows)
-    pages = mmap.mmap(-1, t.nbytes, **private)
+    try:
+        pages = mmap.mmap(-1, t.nbytes, **private)
+    except OSError:  # out of mappings (vm.max_map_count) or memory: the heap, as before
+        return t
     return torch.frombuffer(pages, dtype=t.dtype, count=t.numel()).view(t.shape).copy_(t)  # the tensor holds the map
 
 

@@ -175,3 +175,17 @@ def test_large_entries_are_kept_in_pages_of_their_own_outside_the_c_heap() -> No
     assert entry.hidden[-1] is states[-1]
     entry.values.mul_(-1)  # the pages are the entry's own and writable
     assert torch.equal(entry.values, -expected[1])
+
+
+def test_an_entry_the_system_cannot_map_stays_where_it_is(monkeypatch) -> None:
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")  # as mmap says past vm.max_map_count
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    cache = PrefixCache(8 * 2**20)
+    keys, values = torch.randn(4, 2, 300, 64), torch.randn(4, 2, 300, 64)
+    cache.add(torch.arange(300), keys, values)
+    entry = cache.match(torch.arange(300))[1]
+    assert entry.keys is keys and entry.values is values
