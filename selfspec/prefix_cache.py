@@ -41,9 +41,9 @@ def own_pages(t: torch.Tensor) -> torch.Tensor:
 
     Entries live for minutes and leave in another order than they came, 1-4 MiB each. Carved from the C heap, as
     glibc carves every block below the largest it has freed (up to 32 MiB), blocks like that leave holes that the
-    step's short-lived buffers only partly fill: free memory the server keeps, growing ~1 MiB a minute for hours
-    (SmolLM2 soak). In pages of their own they go back to the system whole, and the heap keeps what comes and goes
-    within a step."""
+    step's short-lived buffers only partly fill: free memory the server keeps, ~1 MiB more a minute through an
+    hour's soak (SmolLM2). In pages of their own they go back to the system whole, and the heap keeps what comes
+    and goes within a step."""
     if t.device.type != "cpu" or t.nbytes < OWN_PAGES_MIN:
         return t
     private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # as malloc maps (not Windows)
