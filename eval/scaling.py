@@ -14,6 +14,10 @@ then for every trained size at once, on the same questions:
 
 Writes ``OUT/report.md`` / ``report.json`` (the table, the commands, the environment) and ``OUT/scaling.png``.
 A step already done (a size trained, the bench's runs) is not done again: rerun the command to go on.
+``--earlier REPORT``: rows of an earlier run's ``report.json`` for sizes this run does not train (its ``runs/`` lost
+with a machine, say) join the table and the plot, marked with that run's commit and date. Held-out top-1 and tau
+are deterministic given the heads and the questions, so such a row stands beside new ones where the recipe, the
+data's first N conversations and the questions are the same (rerun one shared size to check: its row repeats).
 """
 
 from __future__ import annotations
@@ -106,12 +110,21 @@ def method_for(report: dict, n: int) -> str:
     return next(name for name, path in report["setup"]["heads"].items() if path == folder)
 
 
+def earlier_rows(path: Path, sizes: list[int]) -> list[dict]:
+    """Rows of an earlier report for sizes not in ``sizes``, each marked with the run it came from."""
+    report = json.loads(path.read_text())
+    env = report.get("environment", {})
+    return [{**row, "earlier": {"report": str(path), "commit": env.get("commit"), "date": env.get("date")}}
+            for row in report["rows"] if row["conversations"] not in sizes]
+
+
 def table(rows: list[dict]) -> list[str]:
     lines = ["| conversations | steps | training | held-out top-1 by depth 1..4 | tau chat | tau code | tau overall |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         top1 = " ".join(f"{a:.3f}" for a in r["heldout_top1_by_depth"])
-        lines.append(f"| {r['conversations']:,} | {r['steps']:,} | {r['train_s'] / 60:.0f} min | {top1} | "
+        mark = " (earlier run)" if "earlier" in r else ""
+        lines.append(f"| {r['conversations']:,}{mark} | {r['steps']:,} | {r['train_s'] / 60:.0f} min | {top1} | "
                      f"{r['tau']['chat']:.2f} | {r['tau']['code']:.2f} | **{r['tau']['overall']:.2f}** |")
     return lines
 
@@ -154,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         name = method_for(report, row["conversations"])
         row["tau"] = {cat: report["summary"]["categories"][cat][name]["tau"] for cat in ("chat", "code", "overall")}
+    if args.earlier:
+        rows = sorted(rows + earlier_rows(args.earlier, args.sizes), key=lambda r: r["conversations"])
     result = {"model": args.model, "config": json.loads(Path(args.config).read_text()), "data": args.data,
               "bench": {"questions_per_source": args.n, "max_new_tokens": args.max_new_tokens,
                         "tree": f"fixed, {args.max_nodes} nodes, depth {args.max_depth}"},
@@ -163,8 +178,11 @@ def run(args: argparse.Namespace) -> int:
              (f"Recipe `{args.config}`, data `{args.data}` (the first N conversations), held-out tau from "
               f"`selfspec bench --fixed-tree` ({args.max_nodes} nodes, depth {args.max_depth}), {args.n} ShareGPT + "
               f"{args.n} HumanEval questions, {args.max_new_tokens} new tokens, greedy."), "", *table(rows), "",
+             *[f"Earlier run: `{r['earlier']['report']}` (commit {r['earlier']['commit']}, "
+               f"{r['earlier']['date']}), {r['conversations']:,} conversations." for r in rows if "earlier" in r], "",
              (f"    python -m selfspec_eval.scaling --config {args.config} --data {args.data} "
-              f"--sizes {','.join(map(str, args.sizes))} --out {args.out}"), "",
+              f"--sizes {','.join(map(str, args.sizes))} --out {args.out}"
+              + (f" --earlier {args.earlier}" if args.earlier else "")), "",
              f"Environment: `{json.dumps(result['environment'])}`"]
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     plot(rows, args.out / "scaling.png")
@@ -185,7 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-depth", type=positive_int, default=6)
     p.add_argument("--max-nodes", type=positive_int, default=16)
     p.add_argument("--heldout-examples", type=positive_int, default=48, help="held-out ShareGPT conversations")
-    return run_command("scaling", run, p.parse_args(argv))
+    p.add_argument("--earlier", type=Path, help="an earlier run's report.json: its rows for other sizes join the table")
+    args = p.parse_args(argv)
+    if args.earlier and not args.earlier.is_file():
+        p.error(f"--earlier {args.earlier}: no such report.json")
+    return run_command("scaling", run, args)
 
 
 if __name__ == "__main__":

@@ -358,6 +358,61 @@ def test_generate_data_resumes_past_a_torn_line_without_duplicates(tmp_path) -> 
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ids
 
 
+def test_generate_data_interrupted_leaves_whole_lines(tmp_path) -> None:
+    """Ctrl-C mid-run: the replies that arrived are whole lines, and the run says so instead of a traceback."""
+    gen = load_script("training/generate_data.py")
+    out = tmp_path / "sd.jsonl"
+
+    def replies():
+        for i in range(2):
+            yield ({"id": f"c{i}", "category": "chat"}, [{"role": "user", "content": "q"}], None), f"a{i}"
+        raise KeyboardInterrupt
+
+    assert gen.write_replies(out, replies(), 5) == (2, True)
+    assert gen.done_ids(out) == {"c0", "c1"} and out.read_text().endswith("\n")
+    assert gen.write_replies(out, iter([]), 0) == (0, False)
+
+
+def test_generate_data_workers_split_the_prompts_whatever_the_others_wrote() -> None:
+    """--workers N: worker k owns examples k, k + N, ... by position, so a worker that reads the file after another
+    has appended still takes exactly its own share: the shares are disjoint and cover every pending prompt."""
+    import argparse
+
+    gen = load_script("training/generate_data.py")
+    tok = make_tokenizer()
+    ds = [{"id": f"c{i}", "category": "chat", "messages": [{"role": "user", "content": f"question {i}"}]}
+          for i in range(11)]
+    ids = lambda todo: {ex["id"] for ex, _, _ in todo}  # noqa: E731
+    first = gen.pending(ds, {"c0"}, tok, 512, (0, 2))
+    second = gen.pending(ds, {"c0"} | ids(first), tok, 512, (1, 2))  # started after worker 0 wrote its share
+    assert ids(first) == {f"c{i}" for i in (2, 4, 6, 8, 10)} and ids(second) == {f"c{i}" for i in (1, 3, 5, 7, 9)}
+    assert ids(gen.pending(ds, set(), tok, 512)) == {f"c{i}" for i in range(11)}
+    assert gen.shard("1/3") == (1, 3)
+    for bad in ("3/3", "x", "1/0", "-1/2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            gen.shard(bad)
+
+
+@pytest.mark.integration
+def test_generate_data_workers_write_each_reply_once(tmp_path) -> None:
+    """Two worker processes on the real small model share the prompts and the file: every line whole, no id twice,
+    and only the data's first examples."""
+    import subprocess
+    import sys
+
+    from selfspec.data import load_chat_dataset
+
+    out = tmp_path / "sd.jsonl"
+    script = Path(__file__).resolve().parent.parent / "training" / "generate_data.py"
+    cmd = [sys.executable, str(script), "--model", "smollm2-135m-instruct", "--data", "sharegpt",
+           "--max-examples", "4", "--max-new-tokens", "6", "--dtype", "float32", "--workers", "2", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert 2 <= len(ids) == len(set(ids)) <= 4
+    assert set(ids) <= {ex["id"] for ex in load_chat_dataset("sharegpt", split="train", limit=4)}
+
+
 def test_data_ratio_mixes_sources_by_share(tmp_path) -> None:
     """Recorded traffic mixed with the original data by a ratio (``--data-ratio``): each source gives its share of the
     examples; a source short of its share leaves the rest to the next; a bad ratio is refused when the config is

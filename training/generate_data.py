@@ -10,12 +10,19 @@ written as it finishes, drafted by ``--heads`` where given, else by prompt looku
 either way; ``--engine transformers``: left-padded ``model.generate`` batches instead), and appends
 ``{"id", "category", "messages"}`` lines. A rerun skips the ids already written and first cuts a torn last line (a
 run killed mid-write), so a killed run resumes where it stopped without a duplicate or a broken line.
+
+``--workers N`` (CPU): N processes of ``cores / N`` threads each, worker k answering prompts k, k + N, ... and
+appending to the same file (each line one ``write``). On a small CPU a batched step of a small model leaves its
+other threads waiting between kernels: on 2 cores, 2 one-thread workers make more replies an hour than one
+two-thread process (training/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,6 +115,69 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: i
     return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
 
 
+def write_replies(out: Path, replies, total: int, desc: str = "self-distill", position: int = 0) -> tuple[int, bool]:
+    """Append each (item, reply) as a line the moment it arrives, in one ``write`` (workers share the file):
+    (lines written, whether the user interrupted); every line written before an interrupt is whole, so a rerun
+    resumes after them."""
+    written = 0
+    try:
+        with out.open("ab", buffering=0) as f, tqdm(total=total, desc=desc, unit="reply", position=position) as bar:
+            for (ex, msgs, _), reply in replies:
+                if reply:
+                    row = {"id": ex["id"], "category": ex["category"],
+                           "messages": msgs + [{"role": "assistant", "content": reply}]}
+                    f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
+                    written += 1
+                bar.update(1)
+    except KeyboardInterrupt:
+        return written, True
+    return written, False
+
+
+def pending(ds, seen: set[str], tokenizer, max_prompt_tokens: int, part: tuple[int, int] = (0, 1)) -> list:
+    """(example, messages, prompt ids) for every example of shard ``part`` = (k, N) not yet written: shard k owns
+    examples k, k + N, ... of the data by position, whatever other workers have written by the time it looks."""
+    k, n = part
+    todo = []
+    for i, ex in enumerate(ds):
+        if i % n != k or ex["id"] in seen:
+            continue
+        msgs = prompt_messages(ex["messages"])
+        ids = apply_chat_template(tokenizer, msgs)
+        if len(ids) <= max_prompt_tokens:
+            todo.append((ex, msgs, ids))
+    return todo
+
+
+def shard(text: str) -> tuple[int, int]:
+    """``k/N`` -> (k, N): this process answers prompts k, k + N, k + 2N, ..."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shard is k/N, got {text!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"a shard k/N needs 0 <= k < N, got {text!r}")
+    return k, n
+
+
+def run_workers(argv: list[str], workers: int) -> int:
+    """Start ``workers`` processes of this script, worker k with ``--shard k/workers`` and the CPU's cores shared
+    out as threads; wait for them all (Ctrl-C reaches each: each says what it wrote)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // workers))}
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--workers", "1", "--shard", f"{k}/{workers}"],
+                              env=env) for k in range(workers)]
+    codes = []
+    for proc in procs:
+        while True:
+            try:
+                codes.append(proc.wait())
+                break
+            except KeyboardInterrupt:  # the workers got it too: wait for them to write their last lines
+                continue
+    return next((c for c in codes if c), 0)
+
+
 def main() -> int:
     """Generate (or resume generating) the self-distillation file."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,8 +198,20 @@ def main() -> int:
                    help="auto (default): what `selfspec serve` picks on this machine, so the replies are the greedy "
                    "answers the server will verify against; float32 / bfloat16 to pin it")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--workers", type=int, default=1, help="processes sharing the prompts and the CPU's cores "
+                   "(CPU; each line is appended whole)")
+    p.add_argument("--shard", type=shard, default=(0, 1), help=argparse.SUPPRESS)  # k/N: set by --workers
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1, got {args.workers}")
+    out = Path(args.out)
+    if args.workers > 1:
+        if args.device != "cpu":
+            p.error("--workers shares a CPU's cores between processes: use it with --device cpu")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        repair_tail(out)  # once, before any worker appends
+        return run_workers(sys.argv[1:], args.workers)
     torch.manual_seed(args.seed)
     try:
         model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -138,27 +220,18 @@ def main() -> int:
     except SelfspecError as exc:
         print(f"generate_data: error: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    repair_tail(out)
-    seen = done_ids(out)
-    todo = []
-    for ex in ds:
-        if ex["id"] in seen:
-            continue
-        msgs = prompt_messages(ex["messages"])
-        ids = apply_chat_template(tok, msgs)
-        if len(ids) <= args.max_prompt_tokens:
-            todo.append((ex, msgs, ids))
+    k, n = args.shard
+    if n == 1:
+        repair_tail(out)
+    todo = pending(ds, done_ids(out), tok, args.max_prompt_tokens, (k, n))
     replies = (selfspec_replies if args.engine == "selfspec" else transformers_replies)(model, tok, todo, args)
-    with out.open("a") as f, tqdm(total=len(todo), desc="self-distill", unit="reply") as bar:  # replies/s
-        for (ex, msgs, _), reply in replies:
-            if reply:
-                row = {"id": ex["id"], "category": ex["category"],
-                       "messages": msgs + [{"role": "assistant", "content": reply}]}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                f.flush()
-            bar.update(1)
+    desc = "self-distill" if n == 1 else f"self-distill {k + 1}/{n}"
+    written, interrupted = write_replies(out, replies, len(todo), desc, position=k)
+    if interrupted:
+        print(f"generate_data: interrupted: {written} replies written to {out} this run; the same command resumes",
+              file=sys.stderr)
+        return 130
     print(out)
     return 0
 
