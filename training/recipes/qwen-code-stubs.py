@@ -18,6 +18,12 @@ exercises (self-instruct), then turns them into completion prompts whose replies
 (28 + 15 min on 2 CPU cores: 720 exercises, 525 usable stubs, 516 in the train split.) Another
 ``--seed`` with a new raw file gives new exercises; names already in the output file are skipped.
 
+Or, for any target and at no generation cost, stubs cut from Python source already on disk (the
+standard library by default): every public top-level function with a docstring and a short body,
+cut after its docstring:
+
+    python training/recipes/qwen-code-stubs.py source --out runs/data/source-stubs.jsonl --n 3000
+
 HumanEval is the benchmark, so it never enters training: a stub is dropped when it defines a
 function named like any HumanEval function or shares a run of 8 words (numbers skipped) with any
 HumanEval prompt. A reply cut short still gives its stub if the docstring is whole.
@@ -27,6 +33,7 @@ import argparse
 import ast
 import random
 import re
+import sysconfig
 from pathlib import Path
 
 from selfspec.data import HUMANEVAL_TEMPLATE, humaneval_examples, load_chat_dataset
@@ -128,6 +135,58 @@ def prompts(stub_file: str) -> list[dict]:
     return rows
 
 
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3", "turtledemo",
+             "ensurepip", "pydoc_data", "encodings"}
+
+
+def source_functions(root: Path):
+    """(id, name, stub) for every public, undecorated top-level function under ``root`` with a docstring and a body
+    of 2 to 25 lines after it: its ``def`` line(s) and docstring as written."""
+    for path in sorted(root.rglob("*.py")):
+        if SKIP_DIRS & set(path.relative_to(root).parts[:-1]) or path.name.startswith("test"):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = text.splitlines()
+        for func in tree.body:
+            if (not isinstance(func, ast.FunctionDef) or func.name.startswith("_") or func.decorator_list
+                    or ast.get_docstring(func) is None or len(func.body) < 2):
+                continue
+            doc_end = func.body[0].end_lineno
+            if not 2 <= func.end_lineno - doc_end <= 25:
+                continue
+            stub = "\n".join(lines[func.lineno - 1:doc_end]) + "\n"
+            module = ".".join(path.relative_to(root).with_suffix("").parts)
+            yield f"src-{module}.{func.name}", func.name, stub
+
+
+def source_prompts(root: Path, n: int, seed: int) -> list[dict]:
+    """Up to ``n`` completion prompts from ``root``'s functions, in a seeded order, deduplicated by name and kept
+    clear of HumanEval."""
+    names, runs = humaneval_guard()
+    found = list(source_functions(root))
+    random.Random(seed).shuffle(found)
+    rows, seen, dropped = [], set(), {"long": 0, "humaneval": 0, "duplicate": 0}
+    for ident, name, stub in found:
+        if len(stub) > 1500:
+            dropped["long"] += 1
+        elif name in names or word_runs(stub) & runs:
+            dropped["humaneval"] += 1
+        elif name in seen:
+            dropped["duplicate"] += 1
+        else:
+            seen.add(name)
+            rows.append({"id": ident, "category": "code",
+                         "messages": [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=stub)}]})
+        if len(rows) == n:
+            break
+    print(f"{len(found)} functions under {root}: kept {len(rows)}, dropped {dropped}")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="step", required=True)
@@ -138,8 +197,19 @@ def main() -> None:
     s = sub.add_parser("prompts", help="turn the generated exercises into completion prompts")
     s.add_argument("--stubs", required=True, help="generate_data.py's output for the requests")
     s.add_argument("--out", required=True)
+    c = sub.add_parser("source", help="completion prompts cut from Python source on disk (no generation)")
+    c.add_argument("--root", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
+                   help="a folder of .py files (default: this Python's standard library)")
+    c.add_argument("--n", type=int, default=3000, help="prompts at most")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", required=True)
     args = p.parse_args()
-    rows = requests(args.n, args.seed) if args.step == "requests" else prompts(args.stubs)
+    if args.step == "source" and not args.root.is_dir():
+        p.error(f"--root {args.root}: not a folder")
+    if args.step == "requests":
+        rows = requests(args.n, args.seed)
+    else:
+        rows = prompts(args.stubs) if args.step == "prompts" else source_prompts(args.root, args.n, args.seed)
     print(f"{write_jsonl_atomic(Path(args.out), iter(rows))} conversations -> {args.out}")
 
 
