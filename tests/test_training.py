@@ -264,6 +264,10 @@ def test_feature_cache_resumes_grows_and_rebuilds(tmp_path: Path, monkeypatch) -
     features.build_feature_cache(fn, more, ("f",), tmp_path, signature={**sig, "data": "x,y", "max_examples": 15})
     assert len(calls) == 3  # a source appended to the data list: only the last shard (12, 13, new) is redone
     calls.clear()
+    smaller = features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "max_examples": 14})
+    assert len(smaller) == 14 and calls == []  # the larger run's last shard (12, 13, new) holds 12, 13: kept
+    larger = features.build_feature_cache(fn, more, ("f",), tmp_path, signature={**sig, "data": "x,y"})
+    assert calls == [] and torch.equal(larger[14]["input_ids"], more[14]["input_ids"])  # the larger run reads it
     other = features.build_feature_cache(fn, examples, ("f",), tmp_path, signature={**sig, "base": "other"})
     assert len(calls) == 14 and other.folder != cache.folder  # another model: a cache of its own
     assert len(list(cache.folder.glob("shard-*.safetensors"))) == 4  # the first one untouched

@@ -73,13 +73,15 @@ def cache_folder(folder: Path, signature: dict) -> Path:
 
 def _shard_holds(path: Path, examples: list[dict[str, torch.Tensor]], first: int, last: int,
                  keys: tuple[str, ...]) -> bool:
-    """Whether a shard on disk holds exactly examples first..last-1 (same tokens, every key)."""
+    """Whether a shard on disk holds examples first..last-1 (same tokens, every key). A last shard written by a
+    larger run over the same examples holds more after them: it is kept (runs sharing a folder read their own
+    examples of it; rewriting it would take theirs from a run still reading it)."""
     if not path.is_file():
         return False
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
         wanted = {f"{i}.{k}" for i in range(first, last) for k in (*TOKEN_KEYS, *keys)}
-        if names != wanted:
+        if not wanted <= names:
             return False
         return all(torch.equal(f.get_tensor(f"{i}.input_ids"), examples[i]["input_ids"]) for i in range(first, last))
 
