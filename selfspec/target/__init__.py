@@ -12,6 +12,8 @@ the accepted path. The target's passes, their kernels and caches live in this pa
 
     exact.py, row_attention.py (+ csrc/)   what makes a pass compute every row as a plain step does
     attention.py, packed_linear.py         the attention over the slots a pass sees; the linears in oneDNN's layout
+    decoder.py, row_ops.py (+ csrc/)       the exact pass's layers as one loop, its small operations in C++
+    extension.py                           building the C++ kernels for this CPU
     kv_cache.py, common.py                 the caches; buckets, masks and the decoder call every pass shares
 
 A pass object is made once per engine and reused by every request; the cache it hands out per request

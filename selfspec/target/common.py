@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import SelfspecError
 from ..verify import cache_kwarg
+from . import decoder as loop
 from .packed_linear import is_packed, pack_linears
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # nodes (root included) a row's tree is padded to: one compiled graph each
 CACHE_STEP = 512  # a growable cache grows in multiples of this (compiled: each size is another set of graphs)
@@ -67,6 +71,7 @@ class Target:
         self.dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
         self.decoder = self.model.get_decoder()
         self.kwarg = cache_kwarg(type(self.decoder))
+        self.loop = loop.DecoderLoop(self.decoder) if loop.fits(self.decoder) is None else None
 
     def parts(self) -> tuple[torch.nn.Module, torch.device, torch.dtype, bool]:
         """(model, device, dtype, packed): what a pass keeps of its target."""
@@ -82,9 +87,32 @@ class Target:
                 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """(rows, b) tokens at (rows, b) positions under ``mask`` -> logits (rows, b, V) (None if not ``logits``) and
         the states (rows, b, H) of ``layers`` (indices into ``hidden_states``; only the final one needs no extra
-        outputs). ``plan``: every row attends as the exact pass's plan says (``selfspec/target/exact.py``)."""
+        outputs). ``plan``: every row attends as the exact pass's plan says (``selfspec/target/exact.py``), through
+        the decoder loop (``selfspec/target/decoder.py``) once its first pass matched the model's own forward."""
+        states = any(i != -1 for i in layers)
+        looped = plan is not None and self.loop is not None and self.loop.trusted is not False
+        if looped and self.loop.trusted is None:  # the first pass: compared with the model's own forward once
+            looped = self.loop.trusted = self._loop_agrees(ids, positions, mask, cache, plan, states)
+        if looped:
+            h, hidden = self.loop(ids, positions, cache, plan, states)
+        else:
+            h, hidden = self._decoder(ids, positions, mask, cache, plan, states)
+        return (self.head(h) if logits else None), tuple(h if i == -1 else hidden[i] for i in layers)
+
+    def _decoder(self, ids, positions, mask, cache, plan, states: bool) -> tuple[torch.Tensor, tuple]:
+        """The model's own decoder forward: (final normed states, ``hidden_states`` if ``states``)."""
         extra = {} if plan is None else {"selfspec_exact": plan}
         out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                           output_hidden_states=any(i != -1 for i in layers), **{self.kwarg: cache}, **extra)
-        h = out.last_hidden_state
-        return (self.head(h) if logits else None), tuple(h if i == -1 else out.hidden_states[i] for i in layers)
+                           output_hidden_states=states, **{self.kwarg: cache}, **extra)
+        return out.last_hidden_state, out.hidden_states or ()
+
+    def _loop_agrees(self, ids, positions, mask, cache, plan, states: bool) -> bool:
+        """Whether the decoder loop agrees with the model's own forward on this pass (both run; the pass that
+        counts runs after, so the cache holds its K/V)."""
+        ref, ref_hidden = self._decoder(ids, positions, mask, cache, plan, states)
+        h, hidden = self.loop(ids, positions, cache, plan, states)
+        same = self.loop.agrees(h, ref) and all(self.loop.agrees(a, b) for a, b in zip(hidden, ref_hidden))
+        if not same:
+            log.warning("the decoder loop (selfspec/target/decoder.py) computed other states than %s's own forward: "
+                        "the model's forward runs every pass", type(self.decoder).__name__)
+        return same

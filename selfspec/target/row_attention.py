@@ -21,12 +21,10 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from importlib.resources import as_file, files
-from pathlib import Path
 
 import torch
 
-from ..cpu import flags_digest
+from . import extension
 from ..disk_cache import cached, machine
 
 log = logging.getLogger(__name__)
@@ -37,9 +35,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def build_name() -> str:
-    """The extension's name, carrying this CPU's model and flags: built with ``-march=native``, a build from one host
-    would run (or crash with an illegal instruction) on another that shares the extensions folder."""
-    return f"{NAME}_{flags_digest()}"
+    """The extension's name, carrying this CPU's model and flags (``selfspec/target/extension.py``)."""
+    return extension.build_name(NAME)
 
 
 @functools.cache
@@ -49,20 +46,9 @@ def kernel():
         return None
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
-    try:
-        from torch.utils.cpp_extension import get_default_build_root, load
-
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-        if not any(root.glob(f"**/{build_name()}/*.so")):
-            log.warning("building selfspec's row attention kernel for this CPU (once, 20-40 s; cached in %s)", root)
-        with as_file(files("selfspec.target") / "csrc" / "row_attention.cpp") as source:  # package data
-            module = load(name=build_name(), sources=[str(source)], verbose=False,
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as err:  # noqa: BLE001 - any build failure means: use torch's kernel
-        log.warning("row attention kernel unavailable (%s); the exact pass uses torch's attention kernel",
-                    str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
-        return None
-    return module if module.row_attention_available() else None
+    module = extension.load_kernel(NAME, "row_attention.cpp", "row attention kernel",
+                                   "the exact pass uses torch's attention kernel", openmp=True)
+    return module if module is not None and module.row_attention_available() else None
 
 
 def used(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] | None = None) -> bool:
