@@ -132,3 +132,12 @@ def test_a_row_operation_that_depends_on_the_pass_is_caught(monkeypatch) -> None
     p = _prefilled("llama", torch.float32, fused=True)
     together, alone = _pass(p, True, ()), _pass(p, True, (), (0,))
     assert not torch.equal(together[0].logits, alone[0].logits)
+
+
+def test_the_loop_can_be_turned_off(monkeypatch) -> None:
+    monkeypatch.setenv("SELFSPEC_DECODER_LOOP", "0")
+    model = tiny_model(3)
+    engine = SpeculativeEngine(model, None)
+    assert engine.target.target.loop is None
+    prompt = [2, 7, 1, 8, 2, 8]
+    assert engine.generate(prompt, DecodeConfig(max_new_tokens=12)).tokens == hf_greedy(model, prompt, 12)

@@ -71,7 +71,7 @@ class Target:
         self.dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
         self.decoder = self.model.get_decoder()
         self.kwarg = cache_kwarg(type(self.decoder))
-        self.loop = loop.DecoderLoop(self.decoder) if loop.fits(self.decoder) is None else None
+        self.loop = loop.DecoderLoop(self.decoder) if loop.wanted() and loop.fits(self.decoder) is None else None
 
     def parts(self) -> tuple[torch.nn.Module, torch.device, torch.dtype, bool]:
         """(model, device, dtype, packed): what a pass keeps of its target."""

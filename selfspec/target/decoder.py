@@ -21,25 +21,33 @@ model's forward's bits exactly.
 
 The first pass through the loop is also run through the model's own forward and compared (bit for bit through the
 modules; within rounding, ``TOLERANCE``, through the extension): where they differ, the model's own forward runs
-every pass (said once in the log).
+every pass (said once in the log). ``SELFSPEC_DECODER_LOOP=0`` runs the model's own forward always.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 from torch import nn
 
 from .attention import selfspec_attention
+from .packed_linear import PackedLinear, grid_rows
 from .row_ops import ops as row_ops
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 # the first pass's final states through the extension against the model's forward: |a - b| / |b| at most this
-# (rounding differences compound over the layers: SmolLM2-135M bf16 ~1e-2; a wrong operation gives ~1)
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 5e-2}
+# (rounding differences compound over the layers: on a code prompt 0.006 for SmolLM2-135M and 0.007 for
+# Qwen2.5-Coder-1.5B in bf16; a wrong operation gives ~1)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def wanted() -> bool:
+    """Whether exact passes may run through the loop (``SELFSPEC_DECODER_LOOP=0``: the model's own forward always)."""
+    return os.environ.get("SELFSPEC_DECODER_LOOP", "1") != "0"
 
 
 def fits(decoder: nn.Module) -> str | None:
@@ -83,6 +91,15 @@ def fused(decoder: nn.Module) -> bool:
             and all({name for name, _ in layer.mlp.named_children()} == MLP_PARTS for layer in decoder.layers))
 
 
+def linear(module: nn.Module, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``module(x)`` for ``rows`` rows, without its Python frames where it is one packed block and ``rows`` is within
+    its row bounds and on its row grid: then the module would run exactly this kernel on these rows."""
+    if (type(module) is PackedLinear and module.blocks == 1 and rows >= module.min_rows
+            and (not module.max_rows or rows <= module.max_rows) and grid_rows(rows) == rows):
+        return torch.ops.mkldnn._linear_pointwise(x, module.packed_0, module.bias, "none", [], "")
+    return module(x)
+
+
 class DecoderLoop:
     """``decoder``'s layers run as one loop (check :func:`fits` first); through the extension's operations where
     they are the model's and it is built (``ops``), else the model's own modules."""
@@ -100,7 +117,7 @@ class DecoderLoop:
         if self.ops is None:
             return torch.equal(ours, theirs)
         diff = (ours.float() - theirs.float()).norm() / theirs.float().norm().clamp_min(1e-30)
-        return bool(diff <= TOLERANCE.get(theirs.dtype, 1e-1))
+        return bool(diff <= TOLERANCE.get(theirs.dtype, 5e-2))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan, states: bool
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -149,16 +166,16 @@ class DecoderLoop:
         kept = [h.clone()] if states else None
         first = self.layers[0].input_layernorm
         x = ops.rms_norm(rows, first.weight, first.variance_epsilon)
+        m = b * n
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            d = attn.head_dim
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            attn, mlp, d = layer.self_attn, layer.mlp, layer.self_attn.head_dim
+            q, k, v = linear(attn.q_proj, x, m), linear(attn.k_proj, x, m), linear(attn.v_proj, x, m)
             ops.rope_(q, cos, sin, q.shape[1] // d, d)
             ops.rope_(k, cos, sin, k.shape[1] // d, d)
             o = self._attend(i, q.view(b, n, -1, d), k.view(b, n, -1, d), v.view(b, n, -1, d), cache, plan)
             norm = layer.post_attention_layernorm
-            x = ops.add_rms_norm_(rows, attn.o_proj(o.reshape(b * n, -1)), norm.weight, norm.variance_epsilon)
-            down = mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            x = ops.add_rms_norm_(rows, linear(attn.o_proj, o.reshape(m, -1), m), norm.weight, norm.variance_epsilon)
+            down = linear(mlp.down_proj, ops.silu_mul(linear(mlp.gate_proj, x, m), linear(mlp.up_proj, x, m)), m)
             norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.decoder.norm
             x = ops.add_rms_norm_(rows, down, norm.weight, norm.variance_epsilon)
             if states:

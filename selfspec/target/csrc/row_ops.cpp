@@ -8,18 +8,53 @@
 //                  squares in 16 lanes, a fixed order: its last float bit may differ from torch's sum)
 //   add_rms_norm_  h = h + d (rounded, in place), then rms_norm(h)
 //   rope_          x * cos + rotate_half(x) * sin, each product rounded, then their sum: torch's bits
-//   silu_mul       silu(g) rounded, times u, rounded (exp from the C library: silu's last bit may differ)
+//   silu_mul       silu(g) rounded, times u, rounded (exp by a polynomial of its own: silu's last bit may differ)
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace {
 
 constexpr int64_t GRAIN = 16;  // rows per task
 
+// to float and back (nearest even), bf16 by its bits so that loops over them vectorize (c10's bits exactly)
 template <typename T> inline float f(T v) { return static_cast<float>(v); }
-template <typename T> inline T r(float v) { return static_cast<T>(v); }  // round to T (nearest even)
+template <> inline float f<at::BFloat16>(at::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &u, 4);
+  return out;
+}
+template <typename T> inline T r(float v) { return static_cast<T>(v); }
+template <> inline at::BFloat16 r<at::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u = v != v ? 0x7FC00000u : u + 0x7FFFu + ((u >> 16) & 1u);
+  return at::BFloat16(static_cast<uint16_t>(u >> 16), at::BFloat16::from_bits());
+}
+
+// exp(x) by Cephes' polynomial in plain arithmetic (the loops calling it vectorize; the C library's does not)
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float t = x - n * 0.693359375f;
+  t = t - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * t + 1.3981999507e-3f;
+  y = y * t + 8.3334519073e-3f;
+  y = y * t + 4.1665795894e-2f;
+  y = y * t + 1.6666665459e-1f;
+  y = y * t + 5.0000001201e-1f;
+  y = y * (t * t) + t + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
 
 constexpr int LANES = 16;  // the sum of squares: element i adds into lane i % 16, the lanes summed in order after
 
@@ -106,7 +141,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
   });
 }
 
-// gu: (rows, 2 * n), gate then up (one fused projection) or g and u apart: silu(g) * u -> (rows, n)
+// g, u: (rows, n) each (rows of unit stride: slices of one fused projection too): silu(g) * u -> (rows, n)
 at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
   TORCH_CHECK(g.dim() == 2 && u.dim() == 2 && g.stride(1) == 1 && u.stride(1) == 1 && g.sizes() == u.sizes(),
               "g, u: (rows, n) each, rows of unit stride");
@@ -121,7 +156,7 @@ at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
       for (int64_t i = lo; i < hi; ++i) {
         for (int64_t j = 0; j < n; ++j) {
           const float x = f(pg[i * sg + j]);
-          po[i * n + j] = r<scalar_t>(f(r<scalar_t>(x / (1.f + std::exp(-x)))) * f(pu[i * su + j]));
+          po[i * n + j] = r<scalar_t>(f(r<scalar_t>(x / (1.f + exp_poly(-x)))) * f(pu[i * su + j]));
         }
       }
     });
