@@ -5,7 +5,9 @@
 Prefills ``--rows`` requests of ~200-300 random tokens into one batch cache, then times a pass over the first
 ``requests`` of them, each verifying a chain of ``nodes`` nodes, for each shape (median of ``--repeats`` after two
 warm-ups; the cache is not advanced, so every repeat is the same pass). Prints, per shape, the shape the exact pass
-really ran (rows padded onto the self-tested row grid) and its ms: how padding and parts cost.
+really ran (rows padded onto the self-tested row grid) and its ms: how padding and parts cost. ``--compare-loop``:
+each repeat runs the pass through transformers' forward, then through the decoder loop (``selfspec/target/decoder.py``),
+and both medians are printed (``transformers_ms``, ``ms``) with their ratio.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from selfspec.errors import SelfspecError
 from selfspec.target import RowPass
 from selfspec.options import (
     OneLineParser,
@@ -45,17 +48,28 @@ def run(args: argparse.Namespace) -> int:
     slots = []
     for i in range(rows):
         slot = target.new_cache(1024)
-        target.prefill(slot, torch.randint(0, 1000, (200 + 7 * i,), generator=gen))
+        target.prefill(slot, torch.randint(0, min(1000, model.config.vocab_size), (200 + 7 * i,), generator=gen))
         slots.append(slot)
+    loop = target.target.loop
+    if args.compare_loop and loop is None:
+        raise SelfspecError("--compare-loop: this model's exact pass does not run through the decoder loop "
+                            "(not exact, SELFSPEC_DECODER_LOOP=0, or layers of another form)")
+    ways = (False, True) if args.compare_loop else (None,)  # through transformers' forward, then the loop
     out = {}
     for n, nodes in args.shapes:
-        times = []
+        times = {way: [] for way in ways}
         for _ in range(args.repeats + 2):
-            items = [(slot, chain(5, [7] * (nodes - 1))) for slot in slots[:n]]
-            start = time.perf_counter()
-            target.verify_batch(items)
-            times.append(time.perf_counter() - start)
-        out[f"{n}x{nodes}"] = {"ms": round(1000 * statistics.median(times[2:]), 2), "ran": list(target.last_shape)}
+            for way in ways:
+                if way is not None:
+                    loop.trusted = way
+                items = [(slot, chain(5, [7] * (nodes - 1))) for slot in slots[:n]]
+                start = time.perf_counter()
+                target.verify_batch(items)
+                times[way].append(time.perf_counter() - start)
+        ms = {way: round(1000 * statistics.median(t[2:]), 2) for way, t in times.items()}
+        out[f"{n}x{nodes}"] = {"ms": ms[ways[-1]], "ran": list(target.last_shape)}
+        if args.compare_loop:
+            out[f"{n}x{nodes}"].update(transformers_ms=ms[False], speedup=round(ms[False] / ms[True], 2))
     print(json.dumps(out))
     return 0
 
@@ -66,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_model_options(p)
     p.add_argument("--shapes", type=shapes, default=shapes("16x1,12x1,9x8,16x8,16x16,5x4"))
     p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--compare-loop", action="store_true",
+                   help="time each pass through transformers' forward and through the decoder loop, interleaved")
     return run_command("pass_shapes", run, p.parse_args(argv))
 
 

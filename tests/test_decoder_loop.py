@@ -4,12 +4,13 @@ anything else would be caught at its first pass, the model's own forward then ru
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 import torch
 
-from conftest import hf_greedy, tiny_model
+from conftest import hf_greedy, make_tokenizer, tiny_model
 from selfspec.engine import DecodeConfig, SpeculativeEngine
 from selfspec.target import RowPass
 from selfspec.target import decoder as loop, row_ops
@@ -141,3 +142,16 @@ def test_the_loop_can_be_turned_off(monkeypatch) -> None:
     assert engine.target.target.loop is None
     prompt = [2, 7, 1, 8, 2, 8]
     assert engine.generate(prompt, DecodeConfig(max_new_tokens=12)).tokens == hf_greedy(model, prompt, 12)
+
+
+def test_pass_shapes_times_both_ways(tmp_path, capsys) -> None:
+    """``pass_shapes --compare-loop`` times each pass through transformers' forward and through the loop."""
+    from selfspec_eval import pass_shapes
+
+    folder = tmp_path / "tiny"
+    tiny_model(0, vocab=272).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    assert pass_shapes.main(["--model", str(folder), "--dtype", "float32", "--shapes", "2x1,3x4", "--repeats", "1",
+                             "--compare-loop"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) == {"2x1", "3x4"} and all(r["ms"] > 0 and r["transformers_ms"] > 0 for r in out.values())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import OracleTreeDrafter, perturb, prompt_for, tiny_model
+from conftest import OracleTreeDrafter, hf_greedy, perturb, prompt_for, tiny_model
 from selfspec.target import exact, row_attention
 from selfspec.drafters.draft_model import DraftModelDrafter
 from selfspec.drafters.prompt_lookup import PromptLookupDrafter
@@ -314,3 +314,34 @@ def test_every_batched_forward_runs_on_the_self_tested_row_grid(monkeypatch, tmp
     assert off == 0 and batched == plain
     plain, batched, off = off_grid_batch(monkeypatch, tmp_path / "broken", broken=True)
     assert off > 0 and batched != plain
+
+
+class _Timed(torch.nn.Module):
+    """A linear whose time depends on its rows as some kernels' do (2 rows slower than 4)."""
+
+    in_features = out_features = 4
+
+    def forward(self, x):
+        import time
+
+        time.sleep({1: 0.03, 2: 0.03, 4: 0.01, 8: 0.02}[x.shape[0]])
+        return x
+
+
+def test_fastest_rows_takes_a_larger_count_only_where_it_is_faster() -> None:
+    cpu = torch.device("cpu")
+    assert exact._fastest_rows([_Timed(), _Timed()], [1, 2, 4, 8], cpu, torch.float32, reps=1) == 4
+    assert exact._fastest_rows([_Timed(), _Timed()], [1, 2], cpu, torch.float32, reps=1) == 1  # no faster one
+
+
+def test_a_pass_padded_to_its_fastest_rows_keeps_plain_output(monkeypatch) -> None:
+    """Where the CPU runs 4 tokens faster than 1 or 2, a plain step runs on 4 (its root and 3 padding nodes): the
+    root's bits are those of the rows it would have run alone (the self-test's range), so output is unchanged."""
+    monkeypatch.setattr(exact, "FAST_PARAMS", 0)
+    monkeypatch.setattr(exact, "on_disk", lambda test, key, run: 4 if test == "fastest_rows" else run())
+    model = tiny_model(9)
+    engine = SpeculativeEngine(model, None)
+    assert engine.target.support.fast == 4 and engine.target.pass_shape(1, 1) == (1, 4)
+    assert engine.target.pass_shape(2, 1) == (2, 2) and engine.target.pass_shape(3, 1) == (4, 1)
+    prompt = [4, 8, 15, 16, 23, 42]
+    assert engine.generate(prompt, DecodeConfig(max_new_tokens=16)).tokens == hf_greedy(model, prompt, 16)

@@ -272,11 +272,14 @@ class RowPass:
     def pass_shape(self, rows: int, nodes: int) -> tuple[int, int]:
         """(rows, nodes per row) a pass over the first ``rows`` rows, trees of at most ``nodes`` nodes, runs (with
         padding): nodes to a bucket; exact, rows x nodes on the row grid the self-test checked (and at least its
-        least rows). The one bucket function, for one row and for many."""
+        least rows, and the fewest this CPU runs fastest: ``exact.fastest_rows``). The one bucket function, for one
+        row and for many."""
         nodes = bucket_for(nodes, self.buckets)
         if not self.exact:
             return rows, nodes
         nodes = max(nodes, -(-self.support.least // rows))
+        if grid_rows(rows, nodes) * nodes < self.support.fast:  # padding rows first, then nodes
+            nodes = bucket_for(-(-self.support.fast // grid_rows(rows, nodes)), self.buckets)
         return grid_rows(rows, nodes), nodes
 
     def verify(self, slot: Slot, tree: DraftTree, cache_len: int, layers: tuple[int, ...] = ()) -> Verification:
